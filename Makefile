@@ -1,0 +1,29 @@
+# Every target sets up .venv itself. TORCH pins the wheel: 2.13.0 is a CPU build from local disk on
+# our CPU machines and the CUDA build from PyPI on a GPU machine.
+PY ?= python3
+VENV := .venv
+TORCH ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q -e '.[test]'
+	@touch $@
+
+.PHONY: setup serve test bench lint
+setup: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/swaserve serve $(ARGS)
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/swaserve bench serve $(ARGS)

@@ -1,0 +1,90 @@
+"""Attention backend ABC and the per-batch metadata every backend reads.
+
+A batch is a flat ("varlen") list of new tokens from B sequences. Sequence b contributes
+q_lens[b] new tokens at positions prefix_lens[b] .. prefix_lens[b] + q_lens[b] - 1; its KV for
+earlier positions is already in the paged pools. Slot = page_id * page_size + offset_in_page.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.kv_pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    page_size: int
+    window: int  # sliding window W of the sliding layers
+    q_lens: list[int]  # [B] new tokens per sequence
+    prefix_lens: list[int]  # [B] tokens already in the KV cache before this step
+    positions: torch.Tensor  # [T] int64, absolute positions of the new tokens
+    full_slots: torch.Tensor  # [T] int64, full-pool slot each new token's K/V is written to
+    swa_slots: torch.Tensor  # [T] int64, SWA-pool slot each new token's K/V is written to
+    # [B, max_pages] int64 page ids of each sequence's logical pages, -1 = no page.
+    # Full: every page of [0, prefix + q) is present. SWA: pages covering
+    # [max(0, prefix - W + 1), prefix + q) are present; earlier ones may be -1.
+    full_page_table: torch.Tensor
+    swa_page_table: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.q_lens))
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + q for p, q in zip(self.prefix_lens, self.q_lens)]
+
+    @property
+    def cu_q_lens(self) -> list[int]:
+        out = [0]
+        for q in self.q_lens:
+            out.append(out[-1] + q)
+        return out
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        return AttentionMetadata(
+            self.page_size, self.window, self.q_lens, self.prefix_lens,
+            self.positions.to(device), self.full_slots.to(device), self.swa_slots.to(device),
+            self.full_page_table.to(device), self.swa_page_table.to(device),
+        )
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V into the pool, then attends. Scale is 1.0 (Gemma 4 norms q and k)."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,  # model layer index; pool.layer_kind(layer) says sliding or full
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D] (roped, normed)
+        v: torch.Tensor,  # [T, KVH, D]
+        meta: AttentionMetadata,
+        pool: KVPool,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Registry with lazy imports. 'auto' = triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose torch, triton or auto)")

@@ -1,0 +1,99 @@
+"""Core request state shared by the engine, the scheduler and the server."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (the server answers 503)."""
+
+
+class RequestError(ValueError):
+    """Bad request input the engine detects (e.g. prompt longer than the context); HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = 16  # None = up to the context length
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus top-k
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError naming the field for out-of-range values."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise RequestError("temperature must be in [0, 2]", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("top_p must be in (0, 1]", "top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RequestError("top_k must be -1 (off) or at least 1", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p must be in [0, 1]", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2]", name)
+        if self.repetition_penalty <= 0.0:
+            raise RequestError("repetition_penalty must be positive", "repetition_penalty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError("top_logprobs must be in [0, 20]", "top_logprobs")
+        if not 1 <= self.n <= 16:
+            raise RequestError("n must be in [1, 16]", "n")
+        for tid, _ in self.logit_bias:
+            if not 0 <= tid < vocab_size:
+                raise RequestError(f"logit_bias token id {tid} is outside the vocabulary", "logit_bias")
+        for tid in self.stop_token_ids:
+            if not 0 <= tid < vocab_size:
+                raise RequestError(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One incremental update for one choice of one request (engine -> server)."""
+
+    request_id: str
+    index: int  # choice index (n > 1)
+    text: str  # new text since the previous update (stop strings already held back / cut)
+    token_ids: list[int]  # new token ids since the previous update
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was reused (exact)
+    completion_tokens: int  # total so far for this choice
+    matched_stop: str | int | None = None
