@@ -97,3 +97,82 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens whose KV was reused (exact)
     completion_tokens: int  # total so far for this choice
     matched_stop: str | int | None = None
+
+
+Phase = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass(eq=False)
+class Req:
+    """One choice of one request, as the scheduler sees it. Token ids are prompt + output so far."""
+
+    rid: str  # unique: "<request_id>" or "<request_id>#<index>" for n > 1
+    request_id: str
+    index: int
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    params: SamplingParams
+    anchors: tuple[int, ...] = ()
+    max_len: int = 0  # token_ids may grow to this length (prompt + max_tokens, within the context)
+    stop_ids: frozenset[int] = frozenset()  # eos ids (unless ignore_eos) + params.stop_token_ids
+    seed: int = 0  # generator seed (params.seed, or derived from the engine seed)
+    arrival_seq: int = 0  # submission order; the newest running request is preempted first
+    parent: Req | None = None  # n > 1: admitted once this choice's prompt is in the cache
+    status: ReqStatus = ReqStatus.WAITING
+    # KV state (scheduler/kv_manager.py). token_ids[:num_computed] have KV in the pools; page i of
+    # full_pages / swa_pages holds positions [i * P, (i + 1) * P). Pages [0, tree_len / P) belong to
+    # the prefix cache (kept alive by the lock on `handle`), later ones to this request.
+    num_computed: int = 0
+    full_pages: list[int] = field(default_factory=list)
+    swa_pages: list[int | None] = field(default_factory=list)  # None: SWA KV dropped (out of window)
+    tree_len: int = 0
+    handle: object | None = None
+    swa_drop_from: int = 0  # request-owned SWA pages before this page index are already dropped
+    prompt_cached: bool = False  # the whole prompt was inserted into the cache once
+    cached_tokens: int | None = None  # prompt tokens reused at first admission (exact)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    generator: object | None = None  # filled by the model runner (torch.Generator)
+    # timings (time.monotonic), filled by the engine
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == ReqStatus.FINISHED
+
+
+@dataclass
+class Batch:
+    """One model step: sequence b feeds token_ids[prefix_lens[b] : prefix_lens[b] + q_lens[b]]."""
+
+    reqs: list[Req]
+    q_lens: list[int]
+    prefix_lens: list[int]
+    sample: list[bool]  # True where the chunk reaches the end of token_ids: sample the next token
+
+    @property
+    def phase(self) -> Phase:
+        dec = [p + q == len(r.token_ids) and q == 1
+               for r, p, q in zip(self.reqs, self.prefix_lens, self.q_lens)]
+        return "decode" if all(dec) else "prefill" if not any(dec) else "mixed"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    def input_ids(self) -> list[int]:
+        out: list[int] = []
+        for r, p, q in zip(self.reqs, self.prefix_lens, self.q_lens):
+            out.extend(r.token_ids[p:p + q])
+        return out

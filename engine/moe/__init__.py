@@ -1,0 +1,44 @@
+"""MoE backends by name, imported lazily: torch (reference, CPU), triton (fused Q4_0), offload."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+    from engine.moe.base import MoEBackend
+    from models.weights import Gemma4Weights
+
+log = logging.getLogger(__name__)
+_NAMES = ("auto", "torch", "triton", "offload")
+
+
+def get_moe_backend(
+    name: str, cfg: ModelConfig, weights: Gemma4Weights, device: torch.device | str, cache_size: int = 0
+) -> MoEBackend:
+    """Build the MoE backend `name`; 'auto' = triton on CUDA, torch elsewhere."""
+    device = torch.device(device)
+    if name not in _NAMES:
+        raise ValueError(f"unknown MoE backend {name!r} (choose {', '.join(_NAMES)})")
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import engine.moe.triton_backend  # noqa: F401
+
+                name = "triton"
+            except ImportError as e:
+                log.warning("triton MoE backend unavailable (%s); using torch", e)
+    opts: dict[str, Any] = {}
+    if name == "torch":
+        from engine.moe.torch_backend import TorchMoE as cls
+    elif name == "triton":
+        from engine.moe.triton_backend import TritonMoE as cls
+    else:
+        from engine.moe.offload_backend import OffloadMoE as cls
+
+        opts["cache_size"] = cache_size
+    return cls(cfg, weights.layers, device, **opts)

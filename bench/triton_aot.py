@@ -1,0 +1,171 @@
+"""Compile every Triton kernel configuration the backends launch for a CUDA target without a GPU.
+
+    python -m bench.triton_aot [--arch 90]
+
+Catches what the CPU interpreter cannot: type errors of the GPU code path (tl.dot operand types),
+and resource use (shared memory against the chip's limit, registers, stack/spills read from the
+cubin with the cuobjdump that Triton's wheel carries). Must run without TRITON_INTERPRET.
+Exit status 1 if any configuration fails to compile or exceeds the shared-memory limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}  # bytes per block (opt-in maximum)
+
+
+def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them."""
+    from engine.attention import triton_kernels as AK
+    from engine.moe import triton_backend as MB
+    from engine.quant import triton_q4 as Q
+
+    out = []
+    att = dict(
+        q_ptr="*bf16",
+        k_ptr="*bf16",
+        v_ptr="*bf16",
+        o_ptr="*bf16",
+        blk_seq_ptr="*i32",
+        blk_start_ptr="*i32",
+        cu_q_ptr="*i32",
+        prefix_ptr="*i32",
+        pt_ptr="*i64",
+        sm_scale="fp32",
+        dec_seq_ptr="*i32",
+        po_ptr="*fp32",
+        plse_ptr="*fp32",
+    )
+    for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
+        bm, bn, w, st = AK.prefill_block_sizes(D)
+        for kv in ("bf16", "fp16", "fp32"):
+            t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
+            for sliding in (True, False):
+                c = dict(G=G, PAGE=16, D=D, BLOCK_M=bm, BLOCK_N=bn, SLIDING=sliding, DOT_F32=kv == "fp32")
+                out.append(
+                    (
+                        f"attn prefill D{D} kv {kv} {'swa' if sliding else 'full'}",
+                        AK._prefill_kernel,
+                        t,
+                        c,
+                        w,
+                        st,
+                    )
+                )
+            dbn, dw, dst = AK.decode_block_sizes(D)
+            c = dict(G=G, BLOCK_G=16, PAGE=16, D=D, BLOCK_N=dbn, SLIDING=True, DOT_F32=kv == "fp32")
+            out.append((f"attn decode D{D} kv {kv}", AK._decode_kernel, t, c, dw, dst))
+        out.append((f"attn reduce D{D}", AK._decode_reduce_kernel, att, dict(D=D, BLOCK_S=64), 4, 3))
+    q = dict(x_ptr="*bf16", wb_ptr="*u8", wh_ptr="*fp16", y_ptr="*bf16", part_ptr="*fp32")
+    for fmt, qn in ((Q.FMT_Q4_0, "q4_0"), (Q.FMT_Q8_0, "q8_0")):
+        for m in (1, 2, 4):
+            bm, bn, bk = Q.gemv_blocks(m)
+            c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            out.append((f"{qn} gemv M{m}", Q._gemv_kernel, q, c, 4, 3))
+        for m in (8, 32, 64, 2048):
+            bm, bn, bk, w = Q.gemm_blocks(m)
+            for xt in ("bf16", "fp16"):
+                t = dict(q, x_ptr="*" + xt, y_ptr="*" + xt)
+                c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
+                out.append((f"{qn} gemm M{m} x {xt}", Q._gemm_kernel, t, c, w, 3))
+    mt = dict(
+        x_ptr="*bf16",
+        wb_ptr="*u8",
+        wh_ptr="*fp16",
+        act_ptr="*bf16",
+        sorted_ptr="*i32",
+        block_e_ptr="*i32",
+        out_ptr="*fp32",
+        topw_ptr="*fp32",
+    )
+    for fmt, qn in ((Q.FMT_Q4_0, "q4_0"), (Q.FMT_Q8_0, "q8_0"), (Q.FMT_FLOAT, "bf16")):
+        t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == Q.FMT_FLOAT else mt
+        for tk in (8, 16384):
+            bm, bn, bk, w = MB.moe_blocks(tk, 128)
+            c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
+            out.append((f"moe gate_up {qn} BM{bm}", MB._gate_up_kernel, t, c, w, 3))
+            out.append((f"moe down {qn} BM{bm}", MB._down_kernel, t, c, w, 3))
+    return out
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) of the kernel in a cubin, via Triton's cuobjdump (None if unavailable)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        r = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", r.stdout)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def compile_all(arch: int = 90, only: str | None = None) -> int:
+    """Compile every configuration for sm_<arch>, print one line each; returns the number of failures."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("triton_aot: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    limit = SHARED_LIMIT.get(arch, 99 * 1024)
+    failed = 0
+    for name, fn, types, consts, warps, stages in configs():
+        if only and only not in name:
+            continue
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        cidx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+        src = ASTSource(fn=fn, signature=sig, constexprs=cidx)
+        t0 = time.monotonic()
+        try:
+            k = triton.compile(
+                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
+            )
+        except Exception as e:  # report and go on
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
+            continue
+        shared = int(k.metadata.shared)
+        regs, stack = _resource_usage(k.asm["cubin"])
+        bad = shared > limit
+        failed += bad
+        note = "  (over the shared-memory limit)" if bad else ""
+        print(
+            f"{'FAIL' if bad else 'ok  '} {name:34s} shared {shared:>6d} B  regs {regs}  stack {stack} B"
+            f"{note}  [{time.monotonic() - t0:.1f}s]",
+            flush=True,
+        )
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="compile the Triton kernels for a CUDA arch without a GPU")
+    p.add_argument("--arch", type=int, default=90, help="compute capability as an int (90 = H100/H200)")
+    p.add_argument("--only", default=None, help="only configurations whose name contains this")
+    args = p.parse_args(argv)
+    failed = compile_all(args.arch, args.only)
+    print(f"{failed} configuration(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

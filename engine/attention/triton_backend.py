@@ -1,0 +1,165 @@
+"""Triton attention backend over the paged full and SWA pools.
+
+Per layer: the new K/V are written to their slots, then sequences with one new token run the
+split-K decode kernel (+ a reduce over splits) and the others the varlen prefill kernel, which
+reads the cached prefix and the new tokens alike through the page table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from engine.attention import triton_kernels as K
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.kv_pool import KVPool
+from engine.quant.triton_q4 import check_triton_device
+from engine.quant.triton_q4 import dot_f32 as use_dot_f32
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output/partial buffers (tests replace this to poison them with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+class _BatchInfo:
+    """Index tensors derived from (q_lens, prefix_lens), shared by all layers of one step."""
+
+    def __init__(self, meta: AttentionMetadata, device: torch.device):
+        self.key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
+        self.device = device
+        i32 = dict(dtype=torch.int32, device=device)
+        self.cu_q = torch.tensor(meta.cu_q_lens, **i32)  # [B + 1]
+        self.prefix = torch.tensor(meta.prefix_lens, **i32)  # [B]
+        dec = [b for b, q in enumerate(meta.q_lens) if q == 1]
+        self.num_dec = len(dec)
+        self.dec_seq = torch.tensor(dec, **i32)  # [BD]
+        self.pre_seqs = [(b, q) for b, q in enumerate(meta.q_lens) if q > 1]
+        self.max_dec_len = max((meta.prefix_lens[b] + 1 for b in dec), default=0)
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prefill_blocks(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blk_seq, blk_start) [NB] int32: one program per BLOCK_M query rows of a prefill sequence."""
+        if block_m not in self._blocks:
+            seq, start = [], []
+            for b, q in self.pre_seqs:
+                for m0 in range(0, q, block_m):
+                    seq.append(b)
+                    start.append(m0)
+            i32 = dict(dtype=torch.int32, device=self.device)
+            self._blocks[block_m] = (torch.tensor(seq, **i32), torch.tensor(start, **i32))
+        return self._blocks[block_m]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, scale: float = 1.0, decode_splits: int | None = None,
+                 block_m: int | None = None, block_n: int | None = None):
+        if not torch.cuda.is_available():  # fail at startup, not at the first batch
+            check_triton_device(torch.device("cpu"), "the triton attention backend")
+        self.scale = scale
+        self.decode_splits = decode_splits  # None = chosen from context length and SM count
+        self.block_m = block_m  # None = per head_dim defaults (tests use small blocks)
+        self.block_n = block_n
+        self._info: _BatchInfo | None = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _batch_info(self, meta: AttentionMetadata, device: torch.device) -> _BatchInfo:
+        key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
+        if self._info is None or self._info.key != key:
+            self._info = _BatchInfo(meta, device)
+        return self._info
+
+    def _sms(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            n = 4
+            if device.type == "cuda":
+                n = torch.cuda.get_device_properties(device).multi_processor_count
+            self._num_sms[device] = n
+        return self._num_sms[device]
+
+    def num_splits(self, eff_len: int, num_dec: int, kvh: int, device: torch.device) -> int:
+        """Splits of the key range per decode sequence: enough programs to fill the GPU, >= 128 keys each."""
+        if self.decode_splits is not None:
+            return max(1, self.decode_splits)
+        by_len = triton.cdiv(max(eff_len, 1), 128)
+        by_occupancy = triton.cdiv(2 * self._sms(device), max(num_dec * kvh, 1))
+        return max(1, min(by_len, by_occupancy, 64))
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        meta: AttentionMetadata,
+        pool: KVPool,
+    ) -> torch.Tensor:  # [T, H, D]
+        check_triton_device(q.device, "the triton attention backend")
+        sliding = pool.layer_kind(layer) == "sliding"
+        k_cache, v_cache = pool.kv(layer)  # [S, KVH, D]
+        slots = (meta.swa_slots if sliding else meta.full_slots).to(k_cache.device)  # [T]
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        page_table = meta.swa_page_table if sliding else meta.full_page_table  # [B, MP]
+        return self.attend(q, k_cache, v_cache, page_table, meta, sliding)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [S, KVH, D]
+        v_cache: torch.Tensor,  # [S, KVH, D]
+        page_table: torch.Tensor,  # [B, MP] int64
+        meta: AttentionMetadata,
+        sliding: bool,
+        out: torch.Tensor | None = None,  # [T, H, D], written in place when given
+    ) -> torch.Tensor:  # [T, H, D]
+        """Attention of the new tokens over the paged K/V (already holding the new tokens' K/V)."""
+        T, H, D = q.shape
+        KVH = k_cache.shape[1]
+        if H % KVH != 0 or D & (D - 1) != 0 or k_cache.shape[2] != D:
+            raise ValueError(f"unsupported attention shape: {H} heads, {KVH} kv heads, head_dim {D}")
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+        page_table = page_table.to(device=q.device, dtype=torch.int64).contiguous()
+        info = self._batch_info(meta, q.device)
+        G = H // KVH
+        window = meta.window if sliding else 0
+        dot_f32 = use_dot_f32(k_cache.dtype)
+        if out is None:
+            out = empty(T, H, D, dtype=q.dtype, device=q.device)
+        assert out.shape == q.shape and out.stride(2) == 1
+        if info.pre_seqs:
+            bm, bn, warps, stages = K.prefill_block_sizes(D)
+            bm, bn = self.block_m or bm, self.block_n or bn
+            blk_seq, blk_start = info.prefill_blocks(bm)
+            K._prefill_kernel[(blk_seq.numel(), H)](
+                q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q, info.prefix, page_table,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                page_table.stride(0), self.scale, window,
+                G=G, PAGE=meta.page_size, D=D, BLOCK_M=bm, BLOCK_N=bn,
+                SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+            )
+        if info.num_dec:
+            eff = min(info.max_dec_len, meta.window) if sliding else info.max_dec_len
+            splits = self.num_splits(eff, info.num_dec, KVH, q.device)
+            bn, warps, stages = K.decode_block_sizes(D)
+            bn = self.block_n or bn
+            part_o = empty(info.num_dec, H, splits, D, dtype=torch.float32, device=q.device)
+            part_lse = empty(info.num_dec, H, splits, dtype=torch.float32, device=q.device)
+            K._decode_kernel[(info.num_dec, KVH, splits)](
+                q, k_cache, v_cache, part_o, part_lse, info.dec_seq, info.cu_q, info.prefix, page_table,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+                self.scale, window, splits,
+                G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), PAGE=meta.page_size, D=D,
+                BLOCK_N=bn, SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+            )
+            K._decode_reduce_kernel[(info.num_dec, H)](
+                part_o, part_lse, out, info.dec_seq, info.cu_q, out.stride(0), out.stride(1), splits,
+                D=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            )
+        return out

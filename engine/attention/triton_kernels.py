@@ -1,0 +1,200 @@
+"""Triton kernels for paged attention: varlen prefill (with a cached prefix) and split-K decode.
+
+Both kernels read K/V through a page table: the key at logical position n of sequence b lives in
+pool slot page_table[b, n // PAGE] * PAGE + n % PAGE. Keys are indexed by absolute position; a
+query at position p sees keys k <= p, and on sliding layers only k > p - window. Softmax runs in
+fp32 with an online (flash) rescale; `DOT_F32` upcasts dot operands to fp32 (used for fp32 KV and
+under TRITON_INTERPRET=1, whose bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    blk_seq_ptr, blk_start_ptr,  # [NB] int32: sequence and first query row (within it) per program
+    cu_q_ptr, prefix_ptr,  # [B + 1], [B] int32
+    pt_ptr,  # [B, MP] int64 page table
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    sm_scale, window,
+    G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(blk_seq_ptr + pid)
+    m0 = tl.load(blk_start_ptr + pid)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    prefix = tl.load(prefix_ptr + b)
+    kvh = h // G
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_d = tl.arange(0, D)
+    m_mask = offs_m < q_len
+    tok = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [BM, D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)  # tl.dot needs equal operand types
+    pos = prefix + offs_m  # [BM] absolute positions
+
+    hi = prefix + tl.minimum(m0 + BLOCK_M, q_len)  # one past the last key any row sees
+    if SLIDING:
+        lo = tl.maximum(prefix + m0 - window + 1, 0)
+    else:
+        lo = prefix * 0
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for n0 in range(start, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = (offs_n >= lo) & (offs_n < hi)
+        page = tl.load(pt_ptr + b * stride_pt + offs_n // PAGE, mask=n_valid, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # [BN]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BM, BN]
+        mask = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
+        if SLIDING:
+            mask = mask & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr,
+    dec_seq_ptr,  # [BD] int32: batch index of each decode sequence (q_len == 1)
+    cu_q_ptr, prefix_ptr, pt_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    sm_scale, window, num_splits,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # partials: po [BD, H, S, D] fp32 (normalised within the split), plse [BD, H, S] fp32
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(dec_seq_ptr + i)
+    tok = tl.load(cu_q_ptr + b).to(tl.int64)
+    prefix = tl.load(prefix_ptr + b)
+    hi = prefix + 1
+    if SLIDING:
+        lo = tl.maximum(hi - window, 0)
+    else:
+        lo = prefix * 0
+    chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g  # [BG]
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [BG, D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < s_hi
+        page = tl.load(pt_ptr + b * stride_pt + offs_n // PAGE, mask=n_valid, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BG, BN]
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    H = tl.num_programs(1) * G
+    row = (i * H + heads).to(tl.int64) * num_splits + split  # [BG]
+    tl.store(po_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(plse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr, plse_ptr, o_ptr, dec_seq_ptr, cu_q_ptr,
+    stride_ot, stride_oh, num_splits,
+    D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    b = tl.load(dec_seq_ptr + i)
+    tok = tl.load(cu_q_ptr + b).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < num_splits
+    row = (i * H + h).to(tl.int64) * num_splits + offs_s  # [BS]
+    lse = tl.load(plse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the query's own key is never empty
+    w = tl.exp(lse - m)  # [BS], 0 for empty splits
+    part = tl.load(po_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [D]
+    tl.store(o_ptr + tok * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+# Block sizes: the largest tiles that compile for sm_90 without register spills
+# (python -m bench.triton_aot prints registers and stack per configuration).
+def prefill_block_sizes(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    if head_dim >= 512:
+        return 32, 16, 8, 2
+    if head_dim >= 256:
+        return 64, 16, 8, 2
+    return 64, 32, 4, 2
+
+
+def decode_block_sizes(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    if head_dim >= 512:
+        return 32, 8, 2
+    return 32, 4, 2

@@ -1,0 +1,237 @@
+"""MoE with the routed experts kept as Q4_0 (stored form) in host memory.
+
+Three paths, picked per call:
+- host: experts computed on the CPU with engine.quant.linear (the only path on a CPU device;
+  on CUDA the decode path when no expert cache is configured);
+- cache: a device LRU of `cache_size` (layer, expert) slots; a decode step's misses are copied
+  host -> device into free or least-recently-used slots, then the fused Triton MoE runs over the
+  slots (the routing ids remapped to slot ids);
+- stream: a prefill (or a step needing more experts than the cache holds) copies the layer's
+  whole expert stack into one of two device buffers; after computing layer L the next layer is
+  prefetched into the other buffer on a side stream, ordered by CUDA events.
+`emulate_device=True` runs the cache and stream paths with CPU tensors (tests, via the Triton
+interpreter); streams and events are then no-ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.moe.base import MoEBackend
+from engine.quant.base import QWeight
+from engine.quant.linear import expert_slice, linear
+from models.weights import LayerWeights
+
+log = logging.getLogger(__name__)
+
+STREAM_MIN_TOKENS = 64  # batches with at least this many tokens stream whole layers
+AUTO_CACHE_FRACTION = 0.3  # of free device memory, for cache_size=0 on CUDA
+
+
+def expert_bytes(layers: list[LayerWeights]) -> int:
+    """Bytes of all routed expert weights (stored form) over `layers`."""
+    return sum(t.data.numel() * t.data.element_size()
+               for lw in layers for t in (lw.experts_gate_up, lw.experts_down))
+
+
+def experts_fit(layers: list[LayerWeights], device: torch.device, fraction: float = 0.7) -> bool:
+    """Whether every routed expert fits in `fraction` of the device's free memory (for 'auto')."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return expert_bytes(layers) <= fraction * free
+
+
+def _host_copy(w: QWeight, pin: bool) -> QWeight:
+    data = w.data.cpu()
+    if pin:
+        try:
+            data = data.pin_memory()
+        except RuntimeError as e:  # pinning can fail (limits, no driver): pageable still works
+            log.warning("could not pin %s in host memory (%s); copies will be synchronous", w.name, e)
+    return QWeight(w.qtype, w.shape, data, w.name)
+
+
+class OffloadMoE(MoEBackend):
+    name = "offload"
+
+    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device | str = "cpu",
+                 cache_size: int = 0, emulate_device: bool = False,
+                 stream_min_tokens: int = STREAM_MIN_TOKENS):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.on_device = self.cuda or emulate_device  # cache and stream paths available
+        self.inter = cfg.moe_intermediate_size
+        self.stream_min_tokens = stream_min_tokens
+        if cache_size < 0:
+            raise ValueError(f"--moe-cache-size must be >= 0, got {cache_size}")
+        self.gate_up = [_host_copy(lw.experts_gate_up, self.cuda) for lw in layers]  # [E, 2I, H]
+        self.down = [_host_copy(lw.experts_down, self.cuda) for lw in layers]  # [E, H, I]
+        self.num_layers = len(layers)
+        self.stats = {"host": 0, "cache": 0, "stream": 0, "hits": 0, "misses": 0, "layer_copies": 0}
+        if not self.on_device:
+            self.cache_size = 0
+            return
+        from engine.moe.triton_backend import fused_moe, stacked_views
+
+        self._fused_moe = fused_moe
+        self._stacked_views = stacked_views
+        E = cfg.num_experts
+        per_expert = (self.gate_up[0].data[0].nbytes + self.down[0].data[0].nbytes) if layers else 0
+        if cache_size == 0 and self.cuda and per_expert:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = AUTO_CACHE_FRACTION * free - 2 * E * per_expert  # the stream buffers come first
+            cache_size = max(0, min(int(budget // per_expert), E * self.num_layers))
+            log.info("offload MoE: caching %d of %d experts on %s (%.1f GiB)", cache_size,
+                     E * self.num_layers, self.device, cache_size * per_expert / 2**30)
+        self.cache_size = min(cache_size, E * self.num_layers)
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
+        self._free = list(range(self.cache_size))
+        if self.cache_size and layers:
+            self._cache = (self._alloc_like(self.gate_up[0], self.cache_size),
+                           self._alloc_like(self.down[0], self.cache_size))
+        if layers:
+            self._bufs = [(self._alloc_like(self.gate_up[0], E), self._alloc_like(self.down[0], E))
+                          for _ in range(2)]
+        self._buf_layer = [-1, -1]  # layer whose experts each stream buffer holds (or receives)
+        self._next_buf = 0
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._copy_done: list[torch.cuda.Event | None] = [None, None]
+        self._compute_done: list[torch.cuda.Event | None] = [None, None]
+
+    def _alloc_like(self, w: QWeight, n: int) -> QWeight:
+        """A device QWeight of n stacked experts shaped like w's (contents undefined)."""
+        data = torch.empty((n, *w.data.shape[1:]), dtype=w.data.dtype, device=self.device)
+        return QWeight(w.qtype, (n, *w.shape[1:]), data, f"{w.name}[device]")
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        topk_weights: torch.Tensor,  # [T, K]
+    ) -> torch.Tensor:  # [T, H]
+        T = x.shape[0]
+        if not self.on_device or T == 0:
+            return self._host(layer, x, topk_ids, topk_weights)
+        if T < self.stream_min_tokens:
+            ids = topk_ids.cpu()  # [T, K] (the cache bookkeeping runs on the host)
+            used = torch.unique(ids).tolist()
+            if 0 < len(used) <= self.cache_size:
+                return self._cached(layer, x, ids, used, topk_weights)
+            if self.cache_size == 0:  # no device cache: decode computes on the host
+                return self._host(layer, x, topk_ids, topk_weights)
+        return self._streamed(layer, x, topk_ids, topk_weights)
+
+    # -- host path ---------------------------------------------------------------------------
+    def _host(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        self.stats["host"] += 1
+        xh = x.cpu()  # [T, H]
+        ids = topk_ids.cpu()
+        w = topk_weights.cpu().to(xh.dtype)
+        out = torch.zeros_like(xh)  # [T, H]
+        gu, dn = self.gate_up[layer], self.down[layer]
+        for e in torch.unique(ids).tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # assignments routed to e
+            h = linear(xh[tok], expert_slice(gu, e))  # [n, 2I]
+            h = F.gelu(h[:, : self.inter], approximate="tanh") * h[:, self.inter:]  # [n, I]
+            y = linear(h, expert_slice(dn, e))  # [n, H]
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out.to(x.device, non_blocking=True)
+
+    # -- device LRU cache --------------------------------------------------------------------
+    def _cached(self, layer: int, x: torch.Tensor, ids: torch.Tensor, used: list[int],
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        self.stats["cache"] += 1
+        cache_gu, cache_dn = self._cache
+        lut = torch.full((self.cfg.num_experts,), -1, dtype=torch.int64)  # expert -> slot
+        misses = []
+        for e in used:
+            slot = self._lru.get((layer, e))
+            if slot is None:
+                misses.append(e)
+            else:
+                self._lru.move_to_end((layer, e))
+                lut[e] = slot
+        self.stats["hits"] += len(used) - len(misses)
+        self.stats["misses"] += len(misses)
+        for e in misses:
+            if self._free:
+                slot = self._free.pop()
+            else:  # the LRU entry is never one of this step's experts (len(used) <= cache_size)
+                (old_key, slot) = self._lru.popitem(last=False)
+                assert old_key[0] != layer or old_key[1] not in used, old_key
+            # same stream as the kernels: ordered after earlier readers of the slot, before ours
+            cache_gu.data[slot].copy_(self.gate_up[layer].data[e], non_blocking=True)
+            cache_dn.data[slot].copy_(self.down[layer].data[e], non_blocking=True)
+            self._lru[(layer, e)] = slot
+            lut[e] = slot
+        slot_ids = lut[ids].to(self.device, non_blocking=True)  # [T, K]
+        return self._fused_moe(x, self._stacked_views(cache_gu, self.device),
+                               self._stacked_views(cache_dn, self.device), slot_ids, topk_weights, self.inter)
+
+    # -- whole-layer streaming through a double buffer --------------------------------------
+    def _streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> torch.Tensor:
+        self.stats["stream"] += 1
+        b = self._acquire(layer)
+        gu, dn = self._bufs[b]
+        y = self._fused_moe(x, self._stacked_views(gu, self.device), self._stacked_views(dn, self.device),
+                            topk_ids, topk_weights, self.inter)
+        self._compute_done[b] = self._record(None)
+        nxt = (layer + 1) % self.num_layers
+        if nxt != layer:
+            self._prefetch(nxt, 1 - b)
+        return y
+
+    def _acquire(self, layer: int) -> int:
+        """Index of a stream buffer holding `layer`'s experts, usable by the current stream."""
+        for b in (0, 1):
+            if self._buf_layer[b] == layer:
+                self._wait(self._copy_done[b])  # a prefetch may still be in flight
+                self._next_buf = 1 - b
+                return b
+        b = self._next_buf
+        self._next_buf = 1 - b
+        self._wait(self._copy_done[b])  # never overwrite a buffer a prefetch still writes
+        self._fill(b, layer)  # on the current stream: after earlier readers of b
+        self._copy_done[b] = None
+        return b
+
+    def _prefetch(self, layer: int, b: int) -> None:
+        if self._buf_layer[b] == layer:
+            return
+        if self._side is None:
+            self._fill(b, layer)
+            return
+        # b's last readers (and any fill of b on the current stream before them) are done
+        # when compute_done[b] fires; a fill is always followed by a compute on b.
+        if self._compute_done[b] is not None:
+            self._side.wait_event(self._compute_done[b])
+        with torch.cuda.stream(self._side):
+            self._fill(b, layer)
+            self._copy_done[b] = self._record(self._side)
+
+    def _fill(self, b: int, layer: int) -> None:
+        gu, dn = self._bufs[b]
+        gu.data.copy_(self.gate_up[layer].data, non_blocking=True)
+        dn.data.copy_(self.down[layer].data, non_blocking=True)
+        self._buf_layer[b] = layer
+        self.stats["layer_copies"] += 1
+
+    def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    def _wait(self, ev: torch.cuda.Event | None) -> None:
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)

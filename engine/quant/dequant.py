@@ -1,0 +1,67 @@
+"""Dequantization of QWeight (the numerical oracle for every quantized fast path)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quant.base import Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, QWeight
+
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+BLOCK_BYTES = {"Q4_0": Q4_0_BLOCK_BYTES, "Q8_0": Q8_0_BLOCK_BYTES}
+
+
+def _blocks(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """uint8 [..., nb * block_bytes] -> [..., nb, block_bytes]."""
+    assert data.dtype == torch.uint8 and data.shape[-1] % block_bytes == 0, (data.dtype, data.shape)
+    return data.reshape(*data.shape[:-1], data.shape[-1] // block_bytes, block_bytes)
+
+
+def block_scales(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """fp16 block scale d of each block, as fp32: uint8 [..., nb * block_bytes] -> [..., nb]."""
+    b = _blocks(data, block_bytes)
+    return b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def q4_0_codes(data: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes q in [0, 16) of Q4_0 rows: uint8 [..., nb * 18] -> uint8 [..., nb * 32]."""
+    qs = _blocks(data, Q4_0_BLOCK_BYTES)[..., 2:]  # [..., nb, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [..., nb, 32]: element j low, j + 16 high
+    return codes.reshape(*data.shape[:-1], -1)
+
+
+def dequantize_q4_0(data: torch.Tensor) -> torch.Tensor:
+    """Q4_0 rows -> fp32 [..., nb * 32]; value = (q - 8) * d."""
+    d = block_scales(data, Q4_0_BLOCK_BYTES)  # [..., nb]
+    q = q4_0_codes(data).reshape(*d.shape, QK)  # [..., nb, 32]
+    return ((q.to(torch.float32) - 8.0) * d.unsqueeze(-1)).reshape(*data.shape[:-1], -1)
+
+
+def dequantize_q8_0(data: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows -> fp32 [..., nb * 32]; value = q * d with q int8."""
+    b = _blocks(data, Q8_0_BLOCK_BYTES)  # [..., nb, 34]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [..., nb, 1]
+    q = b[..., 2:].contiguous().view(torch.int8)  # [..., nb, 32]
+    return (q.to(torch.float32) * d).reshape(*data.shape[:-1], -1)
+
+
+def dequantize_data(qtype: str, data: torch.Tensor) -> torch.Tensor:
+    """Dequantize raw stored rows of `qtype` to fp32 (last dim = elements for float types)."""
+    if qtype in FLOAT_TYPES:
+        return data.to(torch.float32)
+    if qtype == "Q4_0":
+        return dequantize_q4_0(data)
+    if qtype == "Q8_0":
+        return dequantize_q8_0(data)
+    raise ValueError(f"unsupported QWeight type {qtype!r}")
+
+
+def dequantize(w: QWeight) -> torch.Tensor:
+    """The fp32 tensor of shape `w.shape` that `w` stores."""
+    out = dequantize_data(w.qtype, w.data)
+    return out.reshape(w.shape)
+
+
+def dequantize_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows `ids` of a 2-D weight [N, K] (an embedding lookup): [T] -> [T, K]."""
+    assert len(w.shape) == 2, w.shape
+    return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))

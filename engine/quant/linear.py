@@ -1,0 +1,182 @@
+"""y = x @ W^T for a QWeight in its stored form (F32/F16/BF16/Q4_0/Q8_0), CPU and CUDA.
+
+CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
+- bf16 input, Q4_0 (N % 16 == 0): torch's int4 weight-only matmul (AVX512/AVX2 kernel). The 4-bit
+  codes are repacked into it losslessly (group 32, zero point 8, zero 0: value (q - 8) * d); the
+  kernel takes the block scales d in the activation dtype, so they are rounded to bf16, and
+  activations and outputs are bf16: bf16 accuracy overall. The fast decode path.
+- any other input dtype: fp32 and exact (= dequantize + matmul up to fp32 summation order). The
+  weight's int8 codes (q - 8 for Q4_0, a view of the file for Q8_0) and fp32 block scales are
+  cached; each call dequantizes cache-sized row chunks (codes * d, one pass) into a reused
+  buffer and multiplies them (sgemm). About the speed of an fp32 dense matmul, at 1.1 B/weight.
+  (torch's int4 kernel is exact with fp32 activations too, but has no vectorized fp32 path.)
+  `set_cpu_fast_q4(True)` / SWASERVE_CPU_Q4=fast sends fp32 inputs through the bf16 kernel too.
+Caches are built lazily per weight on first use (never for the whole model at load) and live on
+the QWeight; once a Q4_0 weight is cached, its file pages are dropped from memory (madvise).
+F32/F16/BF16: F.linear (on CPU, a weight whose dtype differs from the input's is converted in row
+chunks). CUDA Q4_0/Q8_0 go to engine.quant.triton_q4 when importable, else dequantize + matmul.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.base import QK, QWeight
+from engine.quant.dequant import (
+    BLOCK_BYTES,
+    FLOAT_TYPES,
+    block_scales,
+    dequantize,
+    dequantize_data,
+    q4_0_codes,
+)
+from engine.quant.pages import release_pages
+
+log = logging.getLogger(__name__)
+
+_CHUNK_ELEMS = 1 << 20  # fp32 weight elements dequantized at once by the exact path (4 MiB)
+_cpu_fast_q4 = os.environ.get("SWASERVE_CPU_Q4", "exact").lower() == "fast"
+_triton_mod: Any = None
+_triton_checked = False
+
+
+def set_cpu_fast_q4(enabled: bool) -> None:
+    """Route CPU Q4_0 linears with fp32/fp16 inputs through the bf16 int4 kernel too (faster; bf16
+    accuracy). Default off: fp32 inputs get the exact path. Also set by SWASERVE_CPU_Q4=fast."""
+    global _cpu_fast_q4
+    _cpu_fast_q4 = bool(enabled)
+
+
+def expert_slice(w: QWeight, e: int) -> QWeight:
+    """The 2-D QWeight of expert `e` of a stacked weight [E, N, K] (a view; cached with its repack)."""
+    assert len(w.shape) == 3, f"{w.name}: expert_slice needs a stacked [E, N, K] weight, got {w.shape}"
+    cache: dict[int, QWeight] | None = w.__dict__.get("_experts")
+    if cache is None:
+        cache = {}
+        w.__dict__["_experts"] = cache
+    sub = cache.get(e)
+    if sub is None:
+        sub = QWeight(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]")
+        if w.__dict__.get("_mmap"):
+            sub.__dict__["_mmap"] = True
+        cache[e] = sub
+    return sub
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, for a 2-D QWeight [N, K]."""
+    assert len(w.shape) == 2, f"{w.name}: linear needs a 2-D weight, got {w.shape} (use expert_slice)"
+    n, k = w.shape
+    assert x.shape[-1] == k, f"{w.name}: input has {x.shape[-1]} features, weight expects {k}"
+    if w.qtype in FLOAT_TYPES and (w.data.dtype == x.dtype or x.is_cuda):
+        return F.linear(x, w.data.to(x.dtype))
+    if w.qtype not in BLOCK_BYTES and w.qtype not in FLOAT_TYPES:
+        raise ValueError(f"{w.name}: unsupported QWeight type {w.qtype!r}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.is_cuda:
+        y = _cuda_linear(x2, w)
+    elif w.qtype == "Q4_0" and n % 16 == 0 and (x2.dtype == torch.bfloat16 or _cpu_fast_q4):
+        y = _int4_linear(x2.to(torch.bfloat16), w).to(x.dtype)
+    else:
+        y = _chunked_linear(x2, w)
+    return y.reshape(*lead, n)
+
+
+def _int4_pack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached (packed int4 weight [N, K / 2], bf16 scales-and-zeros [K / 32, N, 2]) of a Q4_0 weight."""
+    packed = w.__dict__.get("_int4")
+    if packed is None:
+        codes = q4_0_codes(w.data).to(torch.int32)  # [N, K] in [0, 16)
+        wp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K / 2] uint8
+        d = block_scales(w.data, BLOCK_BYTES["Q4_0"]).t()  # [K / 32, N] fp32 (exact fp16 values)
+        sz = torch.stack([d, torch.zeros_like(d)], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        packed = (wp, sz)
+        w.__dict__["_int4"] = packed
+        _release(w)
+    return packed
+
+
+def _int4_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    wp, sz = _int4_pack(w)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), wp, QK, sz)  # [M, N] bf16
+
+
+def _codes(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached (int8 codes [N, K / 32, 32], fp32 block scales [N, K / 32, 1]): weight = codes * d."""
+    form = w.__dict__.get("_codes")
+    if form is None:
+        n, k = w.shape
+        if w.qtype == "Q4_0":
+            codes = q4_0_codes(w.data).view(torch.int8).sub_(8).view(n, k // QK, QK)  # q - 8, own memory
+        else:  # Q8_0: the int8 quants are used in place (a strided view of the stored blocks)
+            codes = w.data.view(n, k // QK, BLOCK_BYTES["Q8_0"])[..., 2:].view(torch.int8)
+        d = block_scales(w.data, BLOCK_BYTES[w.qtype]).unsqueeze(-1)  # [N, K / 32, 1]
+        form = (codes, d)
+        w.__dict__["_codes"] = form
+        if w.qtype == "Q4_0":
+            _release(w)
+    return form
+
+
+def _chunked_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Exact: dequantize row chunks of W into a reused buffer and multiply (fp32), -> [M, N]."""
+    n, k = w.shape
+    rows = min(n, max(16, _CHUNK_ELEMS // k))
+    xf = x.to(torch.float32)
+    yt = torch.empty(n, x.shape[0], dtype=torch.float32)  # [N, M]: chunks fill contiguous rows
+    if w.qtype in FLOAT_TYPES:
+        for r0 in range(0, n, rows):
+            torch.mm(w.data[r0 : r0 + rows].to(torch.float32), xf.t(), out=yt[r0 : r0 + rows])
+    else:
+        codes, d = _codes(w)
+        buf = torch.empty(rows, k // QK, QK, dtype=torch.float32)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            b = buf[: r1 - r0]
+            b.copy_(codes[r0:r1]).mul_(d[r0:r1])  # [R, K/32, 32] fp32 = codes * d, exact
+            torch.mm(b.view(r1 - r0, k), xf.t(), out=yt[r0:r1])
+    return yt.t().to(x.dtype)
+
+
+def _release(w: QWeight) -> None:
+    if w.__dict__.get("_mmap"):
+        release_pages(w.data)  # the cached form replaces the file pages in memory
+
+
+def _triton() -> Any:
+    global _triton_mod, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        try:
+            import engine.quant.triton_q4 as mod
+
+            _triton_mod = mod
+        except ImportError as e:  # pragma: no cover - depends on the install
+            log.warning("engine.quant.triton_q4 unavailable (%s); using dequantize + matmul on CUDA", e)
+    return _triton_mod
+
+
+def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    mod = _triton()
+    fn = getattr(mod, f"{w.qtype.lower()}_linear", None) if mod is not None else None
+    if fn is not None:
+        return fn(x, w)
+    wd = w.__dict__.get("_dequant")  # fallback: one dequantized copy in the compute dtype
+    if wd is None or wd.dtype != x.dtype:
+        wd = dequantize(w).to(x.dtype)
+        w.__dict__["_dequant"] = wd
+    return F.linear(x, wd)
+
+
+def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Rows `ids` [T] of a 2-D weight [V, H] as fp32 [T, H] (dequantizes only those rows)."""
+    assert len(w.shape) == 2, w.shape
+    if w.qtype in FLOAT_TYPES:
+        return w.data.index_select(0, ids.to(w.data.device)).to(torch.float32)
+    return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))

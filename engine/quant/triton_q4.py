@@ -1,0 +1,219 @@
+"""Triton linears that dequantize GGUF Q4_0 / Q8_0 weights inside the kernel (y = x @ W^T).
+
+The weight stays in its stored form: uint8 [N, K / 32 * B] with B = 18 (Q4_0: fp16 d, then 16
+bytes; low nibble of byte j = element j, high nibble = element j + 16; value (q - 8) * d) or
+B = 34 (Q8_0: fp16 d, then 32 int8; value q * d). Block scales are read through an fp16 view of
+the same bytes (blocks and rows have even byte sizes). Few rows (decode) run a split-K GEMV with
+fp32 partials; more rows run a tiled GEMM on tl.dot. `load_w_tile` is shared with the fused MoE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.base import QWeight
+
+FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2
+FMTS = {"Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0, "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT}
+GEMV_MAX_M = 4  # rows up to which the GEMV kernel is used
+
+
+@triton.jit
+def load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT: tl.constexpr):
+    """Dequantized fp32 weight tile [BN, BK]: rows at byte offsets `row_off` [BN] (int64; element
+    offsets for FMT_FLOAT), columns `offs_k` [BK]. `wh_ptr` is an fp16 view of the same bytes."""
+    mask = n_mask[:, None] & k_mask[None, :]
+    rows = row_off[:, None]
+    if FMT == 1:
+        blk = offs_k // 32
+        j = offs_k % 32
+        q = tl.load(wb_ptr + rows + (blk * 18 + 2 + j % 16)[None, :], mask=mask, other=0).to(tl.int32)
+        q = (q >> ((j // 16) * 4)[None, :]) & 0xF
+        d = tl.load(wh_ptr + rows // 2 + (blk * 9)[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = (q - 8).to(tl.float32) * d
+    elif FMT == 2:
+        blk = offs_k // 32
+        j = offs_k % 32
+        q = tl.load(wb_ptr + rows + (blk * 34 + 2 + j)[None, :], mask=mask, other=0)
+        d = tl.load(wh_ptr + rows // 2 + (blk * 17)[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+    else:
+        w = tl.load(wb_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, wb_ptr, wh_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_wn,
+    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    row_off = offs_n.to(tl.int64) * stride_wn
+    x_rows = offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, wb_ptr, wh_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # part: [splits, M, N] fp32 partial sums over this program's K range
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    row_off = offs_n.to(tl.int64) * stride_wn
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out = part_ptr + (split * M + offs_m)[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_triton_device(device: torch.device, what: str) -> None:
+    """Raise ValueError when Triton kernels cannot run on `device`."""
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"{what} needs a CUDA device (or TRITON_INTERPRET=1 for the slow CPU "
+                         f"interpreter); got device {device}")
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Upcast dot operands to fp32: for fp32 operands, and for bf16 in the interpreter (its bf16 dot
+    is wrong; fp16 is right there, so fp16 runs the GPU code path on CPU too)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+
+
+def weight_views(data: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes, fp16 view of the same memory) of stored weight rows; float weights: (data, data)."""
+    if FMTS[qtype] == FMT_FLOAT:
+        return data, data
+    if data.stride(-1) != 1 or data.storage_offset() % 2 or data.shape[-1] % 2:
+        data = data.contiguous().clone()
+    try:
+        return data, data.view(torch.float16)
+    except RuntimeError:  # odd strides of a sliced view: copy to a fresh, aligned buffer
+        data = data.clone()
+        return data, data.view(torch.float16)
+
+
+def _views(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = w.__dict__.get("_triton_views")
+    if cached is None or cached[0].device != w.data.device:
+        cached = weight_views(w.data, w.qtype)
+        w.__dict__["_triton_views"] = cached
+    return cached
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output/partial buffers (tests replace this to poison them with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def gemv_blocks(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV kernel for m <= GEMV_MAX_M rows."""
+    return triton.next_power_of_2(m), 16, 128 if m <= 2 else 64
+
+
+def gemm_blocks(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMM kernel for m rows (no spills on sm_90)."""
+    if m <= 16:
+        return 16, 64, 32, 4
+    if m <= 32:
+        return 32, 64, 64, 8
+    if m <= 64:
+        return 64, 64, 64, 8
+    return 128, 64, 32, 8
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] for a 2-D QWeight (Q4_0, Q8_0 or float) on the kernel's device."""
+    if w.qtype not in FMTS:
+        raise ValueError(f"{w.name}: no triton kernel for weight type {w.qtype!r}")
+    assert len(w.shape) == 2, f"{w.name}: triton linear needs a 2-D weight, got {w.shape}"
+    N, K = w.shape
+    assert x.shape[-1] == K and K % 32 == 0, (w.name, x.shape, w.shape)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out_dtype = out_dtype or x.dtype
+    wb, wh = _views(w)
+    fmt = FMTS[w.qtype]
+    stride_wn = wb.stride(0)
+    if M == 0:
+        return torch.empty(*lead, N, dtype=out_dtype, device=x.device)
+    if M <= GEMV_MAX_M:
+        bm, bn, bk = gemv_blocks(M)
+        grid_n = triton.cdiv(N, bn)
+        splits = max(1, min(4 * _num_sms(x.device) // grid_n, triton.cdiv(K, bk)))
+        k_per_split = triton.cdiv(triton.cdiv(K, splits), bk) * bk
+        splits = triton.cdiv(K, k_per_split)
+        part = empty(splits, M, N, dtype=torch.float32, device=x.device)
+        _gemv_kernel[(grid_n, splits)](
+            x2, wb, wh, part, M, N, K, k_per_split, x2.stride(0), stride_wn,
+            FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        )
+        y = part.sum(0) if splits > 1 else part[0]
+        return y.to(out_dtype).reshape(*lead, N)
+    y = empty(M, N, dtype=out_dtype, device=x.device)
+    bm, bn, bk, warps = gemm_blocks(M)
+    _gemm_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+        x2, wb, wh, y, M, N, K, x2.stride(0), y.stride(0), stride_wn,
+        FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32(x.dtype), num_warps=warps,
+    )
+    return y.reshape(*lead, N)
+
+
+def q4_0_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x [..., K] @ W^T for a Q4_0 weight [N, K], dequantized in the kernel."""
+    assert w.qtype == "Q4_0", w.qtype
+    return quant_linear(x, w)
+
+
+def q8_0_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x [..., K] @ W^T for a Q8_0 weight [N, K], dequantized in the kernel."""
+    assert w.qtype == "Q8_0", w.qtype
+    return quant_linear(x, w)

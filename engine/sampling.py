@@ -1,0 +1,168 @@
+"""Batched sampling: penalties, logit_bias, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Order of operations for one row (SGLang / vLLM semantics):
+  1. repetition penalty over prompt + output tokens (logit > 0: divided, else multiplied),
+     frequency penalty (x count in the output) and presence penalty (output tokens), logit_bias;
+  2. temperature 0 -> argmax of the penalised logits (first index on ties);
+  3. otherwise divide by the temperature, then top-k (keep logits >= the k-th largest),
+     top-p (smallest prefix of the stably sorted distribution whose mass reaches top_p),
+     min-p (keep p >= min_p * max p), renormalise and draw one token by inverse CDF with one uniform
+     from the request's own torch.Generator, so a seed gives the same tokens whatever else is batched.
+Logprobs are those of the raw model distribution (log_softmax of the logits before step 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.core import SamplingParams, TokenLogprob
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # required unless params.temperature == 0
+    prompt_ids: Sequence[int] = ()  # for the repetition penalty
+    output_ids: Sequence[int] = ()  # for all three penalties
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where the row did not ask for logprobs
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """In place on the rows that use penalties or logit_bias; logits [B, V] fp32."""
+    V = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            ids = list(r.prompt_ids) + list(r.output_ids)
+            if ids:
+                seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+            row = logits[i]
+            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, pen, row)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(r.output_ids) > 0:
+            counts = torch.zeros(V, dtype=logits.dtype, device=logits.device)
+            ids_t = torch.tensor(list(r.output_ids), dtype=torch.long, device=logits.device)
+            counts.scatter_add_(0, ids_t, torch.ones_like(ids_t, dtype=logits.dtype))  # [V]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            idx = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
+            val = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, idx, val)
+    return logits
+
+
+def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], k [B] int64 (<= 0 or >= V = off) -> logits with everything below the k-th
+    largest set to -inf (ties with the k-th value are kept)."""
+    V = logits.shape[1]
+    on = (k > 0) & (k < V)  # [B]
+    if not bool(on.any()):
+        return logits
+    kk = torch.where(on, k, torch.ones_like(k))  # [B]
+    top = torch.topk(logits, int(kk.max()), dim=-1).values  # [B, kmax] descending
+    kth = top.gather(1, (kk - 1).unsqueeze(1))  # [B, 1]
+    kth = torch.where(on.unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], p [B] in (0, 1] -> logits outside the nucleus set to -inf. The nucleus is the
+    shortest prefix of the stably descending-sorted distribution whose mass reaches p."""
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, V]
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [B, V] mass strictly before each token
+    drop_sorted = before >= p.unsqueeze(1)  # [B, V]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)  # [B, V]
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], min_p [B] -> tokens with p < min_p * max p set to -inf."""
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    thresh = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(probs < thresh, _NEG_INF)
+
+
+def _draw(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
+    """Inverse-CDF draw; one uniform per row from that row's generator. probs [B, V] -> [B]."""
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])  # [B]
+    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
+    idx = idx.clamp_(max=probs.shape[1] - 1)
+    bad = probs.gather(1, idx.unsqueeze(1)).squeeze(1) <= 0  # rounding at the very top of the CDF
+    return torch.where(bad, probs.argmax(dim=-1), idx)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+    """Sample one token per row of logits [B, V] (fp32, not modified)."""
+    B, V = logits.shape
+    assert B == len(rows)
+    dev = logits.device
+    want_lp = [r.params.logprobs is not None for r in rows]
+    raw_logp = None
+    if any(want_lp):
+        raw_logp = torch.log_softmax(logits[torch.tensor(want_lp, device=dev)], dim=-1)  # [L, V]
+
+    x = logits.clone()
+    if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+           or r.params.presence_penalty != 0.0 or r.params.logit_bias for r in rows):
+        apply_penalties(x, rows)
+
+    out = x.argmax(dim=-1)  # [B] greedy for every row; sampled rows are replaced below
+    samp = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    if samp:
+        idx = torch.tensor(samp, dtype=torch.long, device=dev)
+        sp = [rows[i].params for i in samp]
+        temp = torch.tensor([p.temperature for p in sp], dtype=x.dtype, device=dev)  # [S]
+        z = x[idx] / temp.unsqueeze(1)  # [S, V]
+        if any(0 < p.top_k < V for p in sp):
+            z = top_k_mask(z, torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev))
+        if any(p.top_p < 1.0 for p in sp):
+            z = top_p_mask(z, torch.tensor([p.top_p for p in sp], dtype=z.dtype, device=dev))
+        if any(p.min_p > 0.0 for p in sp):
+            z = min_p_mask(z, torch.tensor([p.min_p for p in sp], dtype=z.dtype, device=dev))
+        probs = torch.softmax(z, dim=-1)  # [S, V]
+        gens = []
+        for i in samp:
+            g = rows[i].generator
+            assert g is not None, "a sampled row needs a generator"
+            gens.append(g)
+        out[idx] = _draw(probs, gens)
+
+    token_ids = out.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * B
+    if raw_logp is not None:
+        lp_rows = [i for i in range(B) if want_lp[i]]
+        kmax = max(rows[i].params.logprobs or 0 for i in lp_rows)
+        picked = torch.tensor([token_ids[i] for i in lp_rows], device=dev)  # [L]
+        chosen = raw_logp.gather(1, picked.unsqueeze(1))  # [L, 1]
+        chosen_l = chosen.squeeze(1).tolist()
+        if kmax > 0:
+            top_v, top_i = torch.topk(raw_logp, min(kmax, V), dim=-1)  # [L, kmax]
+            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(lp_rows):
+            k = rows[i].params.logprobs or 0
+            top = list(zip(top_i_l[j][:k], top_v_l[j][:k])) if k > 0 else []
+            logprobs[i] = TokenLogprob(token_ids[i], chosen_l[j], top)
+    return SampleResult(token_ids, logprobs)

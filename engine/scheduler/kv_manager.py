@@ -1,0 +1,156 @@
+"""Page bookkeeping of running requests over the two pools and the prefix cache (pure Python).
+
+A request's pages [0, tree_len / P) are the cache's (held by the lock on req.handle: full pages
+root..handle and the SWA pages of the handle's last window); later pages are the request's own.
+Invariants after every public call:
+  * full_pages has an entry for every page of [0, num_computed) (and of a chunk being scheduled);
+  * swa_pages entries of [max(0, num_computed - W), ...) are live; request-owned SWA pages that
+    fall fully before num_computed - W are freed (set to None) unless inserted into the cache;
+  * used pages of a pool == pages the running requests own (see used_pages()).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core import Req
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    def __init__(self, cache: Any, full_alloc: Any, swa_alloc: Any, page_size: int, window: int,
+                 cache_enabled: bool = True):
+        self.cache = cache
+        self.full_alloc = full_alloc
+        self.swa_alloc = swa_alloc
+        self.P = page_size
+        self.W = window
+        self.cache_enabled = cache_enabled
+
+    # ---- admission ------------------------------------------------------------------------
+    def admit(self, req: Req) -> int:
+        """Match the request's tokens against the cache and lock the hit; returns the reused length."""
+        assert req.handle is None and not req.full_pages
+        m = self.cache.match(req.token_ids)
+        self.cache.lock(m.handle)
+        req.handle = m.handle
+        req.num_computed = req.tree_len = m.reused_len
+        req.full_pages = list(m.full_pages)
+        req.swa_pages = list(m.swa_pages)
+        req.swa_drop_from = len(req.full_pages)
+        assert len(req.full_pages) * self.P == m.reused_len
+        return m.reused_len
+
+    def unadmit(self, req: Req) -> None:
+        """Undo admit() for a request that got no pages of its own."""
+        assert req.tree_len == len(req.full_pages) * self.P
+        self.cache.unlock(req.handle)
+        self._reset(req)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _alloc(self, alloc: Any, evict: Any, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        pages = alloc.alloc(n)
+        if pages is None:
+            evict(n - alloc.num_free)
+            pages = alloc.alloc(n)
+        return pages
+
+    def grow(self, req: Req, new_len: int) -> bool:
+        """Give req pages (both pools) for positions [0, new_len); False (nothing allocated) if the
+        pools cannot, even after evicting cached pages."""
+        need = _cdiv(new_len, self.P) - len(req.full_pages)
+        if need <= 0:
+            return True
+        full = self._alloc(self.full_alloc, self.cache.evict_full, need)
+        if full is None:
+            return False
+        swa = self._alloc(self.swa_alloc, self.cache.evict_swa, need)
+        if swa is None:
+            self.full_alloc.free(full)
+            return False
+        req.full_pages.extend(full)
+        req.swa_pages.extend(swa)
+        return True
+
+    def drop_out_of_window(self, req: Req) -> None:
+        """Free request-owned SWA pages lying fully before num_computed - W."""
+        first_owned = req.tree_len // self.P
+        end = max(0, (req.num_computed - self.W) // self.P)  # pages [0, end) end at or before seq - W
+        start = max(req.swa_drop_from, first_owned)
+        if end <= start:
+            return
+        freed = []
+        for i in range(start, end):
+            p = req.swa_pages[i]
+            if p is not None:
+                freed.append(p)
+                req.swa_pages[i] = None
+        if freed:
+            self.swa_alloc.free(freed)
+        req.swa_drop_from = end
+
+    # ---- cache insertion / release ----------------------------------------------------------
+    def cache_prefix(self, req: Req, finished: bool = False) -> None:
+        """Insert token_ids[:num_computed] into the cache, adopt its canonical pages, move the lock."""
+        if not self.cache_enabled:
+            return
+        n = req.num_computed
+        k = n // self.P
+        first_owned = req.tree_len // self.P
+        if k <= first_owned and not finished:
+            return
+        full = req.full_pages[:k]
+        # SWA of cache-owned pages: None (the cache keeps what it has; a stale id must never revive one)
+        swa = [None] * first_owned + req.swa_pages[first_owned:k]
+        anchors = tuple(a for a in req.anchors if 0 < a <= n)
+        prompt_len = req.prompt_len if req.prompt_len <= n else None
+        res = self.cache.insert(req.token_ids[:n], full, swa, anchors=anchors, prompt_len=prompt_len,
+                                finished=finished)
+        m = len(res.full_pages)
+        req.full_pages[:m] = res.full_pages
+        req.swa_pages[:m] = res.swa_pages
+        self.cache.lock(res.handle)
+        self.cache.unlock(req.handle)
+        req.handle = res.handle
+        assert res.inserted_len % self.P == 0 and res.inserted_len >= req.tree_len
+        req.tree_len = res.inserted_len
+        req.swa_drop_from = max(req.swa_drop_from, req.tree_len // self.P)
+        if prompt_len is not None:
+            req.prompt_cached = True
+
+    def release(self, req: Req, finished: bool) -> None:
+        """Give everything back: insert the computed KV into the cache (finished: as a finished
+        request, for the eager policy), unlock, free the request's own pages."""
+        if req.handle is None:
+            assert not req.full_pages
+            self._reset(req)
+            return
+        self.cache_prefix(req, finished=finished)
+        self.cache.unlock(req.handle)
+        first_owned = req.tree_len // self.P
+        self.full_alloc.free(req.full_pages[first_owned:])
+        swa = [p for p in req.swa_pages[first_owned:] if p is not None]
+        if swa:
+            self.swa_alloc.free(swa)
+        self._reset(req)
+
+    def _reset(self, req: Req) -> None:
+        req.handle = None
+        req.full_pages = []
+        req.swa_pages = []
+        req.num_computed = req.tree_len = req.swa_drop_from = 0
+
+    # ---- accounting -------------------------------------------------------------------------
+    def used_pages(self, reqs: list[Req]) -> tuple[int, int]:
+        """(full, SWA) pages owned by the given requests (not by the cache)."""
+        uf = us = 0
+        for r in reqs:
+            first_owned = r.tree_len // self.P
+            uf += len(r.full_pages) - first_owned
+            us += sum(1 for p in r.swa_pages[first_owned:] if p is not None)
+        return uf, us

@@ -1,0 +1,59 @@
+"""Building the scheduler's Req objects from a request (validation of lengths included)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine.core import Req, RequestError, SamplingParams
+
+
+def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) -> int:
+    """Validate the prompt and max_tokens against the context; returns the max total length."""
+    if prompt_len == 0:
+        raise RequestError("the prompt is empty", "prompt")
+    if prompt_len >= context_length:
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens, which does not leave room for any completion within "
+            f"the context length of {context_length} tokens")
+    if params.max_tokens is None:
+        return context_length
+    if prompt_len + params.max_tokens > context_length:
+        raise RequestError(
+            f"this model's context length is {context_length} tokens, but {prompt_len + params.max_tokens} "
+            f"were requested ({prompt_len} in the prompt, {params.max_tokens} in max_tokens)", "max_tokens")
+    return prompt_len + params.max_tokens
+
+
+def choice_seed(base: int, index: int) -> int:
+    """Seed of choice `index` of a request whose seed is `base` (choice 0 uses base itself)."""
+    if index == 0:
+        return base
+    return (base * 1_000_003 + index * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def make_reqs(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, context_length: int,
+              eos_ids: Iterable[int], seed: int, anchors: Sequence[int] = (),
+              share_prompt: bool = True) -> list[Req]:
+    """One Req per choice (n > 1: choices 1.. wait for choice 0's prompt to be cached when
+    share_prompt, then reuse its pages through the prefix cache)."""
+    max_len = check_lengths(len(prompt_ids), params, context_length)
+    stop = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop |= set(eos_ids)
+    base = params.seed if params.seed is not None else seed
+    reqs: list[Req] = []
+    for i in range(params.n):
+        reqs.append(Req(
+            rid=request_id if params.n == 1 else f"{request_id}#{i}",
+            request_id=request_id,
+            index=i,
+            token_ids=list(prompt_ids),
+            prompt_len=len(prompt_ids),
+            params=params,
+            anchors=tuple(sorted({int(a) for a in anchors if 0 < int(a) < len(prompt_ids)})),
+            max_len=max_len,
+            stop_ids=frozenset(stop),
+            seed=choice_seed(base, i),
+            parent=reqs[0] if (i > 0 and share_prompt) else None,
+        ))
+    return reqs

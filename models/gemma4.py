@@ -1,0 +1,212 @@
+"""The Gemma 4 text model (26B-A4B architecture) over the paged KV pools.
+
+Facts: shared/reference/gemma4.md. Sliding and full layers differ in head_dim, KV heads and rope;
+full layers use K = V (no v_proj) and "proportional" rope (only the first pairs rotate). Every
+decoder layer has a dense MLP and a routed MoE whose outputs are summed. Norms run in fp32 with
+the raw weight (no 1 + w); v_norm and the router norm have no weight. Linears go through
+engine.quant.linear in the weights' stored form; routed experts go to the MoE backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.kv_pool import KVPool
+from engine.config import ModelConfig
+from engine.moe.base import MoEBackend
+from engine.quant.base import QWeight
+from engine.quant.linear import embedding, linear
+from models.weights import Gemma4Weights, LayerWeights
+
+_ROPE_MIN_TABLE = 4096  # first table size; grows by doubling up to the largest position seen
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-0.5 * w in fp32, returned in `dtype` (default x's); w None = no weight."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if w is not None:
+        y = y * w
+    return y.to(dtype or x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """NeoX half-split rope: pairs (i, i + half) for i < n rotate, n = cos.shape[-1].
+
+    x [T, nh, D]; cos/sin [T, n]. Dims outside the rotated pairs pass through unchanged.
+    """
+    n = cos.shape[-1]
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # [T, 1, n]
+    x1, x2 = x[..., :n], x[..., half:half + n]  # [T, nh, n]
+    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
+    if n == half and 2 * half == x.shape[-1]:
+        return torch.cat([r1, r2], dim=-1)
+    out = x.clone()
+    out[..., :n] = r1
+    out[..., half:half + n] = r2
+    return out
+
+
+class _Rope:
+    """cos/sin tables of one layer kind, computed lazily and grown by doubling."""
+
+    def __init__(self, theta: float, dim: int, pairs: int, half: int, device: torch.device):
+        # inv_freq[i] = 1 / theta^(2i / dim) for the rotated pairs (the rest have frequency 0)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / dim))
+        self.inv_freq = self.inv_freq.to(device)  # [pairs]
+        self.half = half
+        self.cos = torch.empty(0, pairs, device=device)
+        self.sin = torch.empty(0, pairs, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            size = max(_ROPE_MIN_TABLE, 1 << (need - 1).bit_length())
+            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq  # [S, n]
+            self.cos, self.sin = freqs.cos(), freqs.sin()
+        return self.cos[positions], self.sin[positions]  # [T, n] each
+
+
+def _to_dev(w: QWeight, device: torch.device) -> QWeight:
+    if w.data.device == device:
+        return w
+    return QWeight(w.qtype, w.shape, w.data.to(device), w.name)
+
+
+def _layer_to(lw: LayerWeights, device: torch.device) -> LayerWeights:
+    """Everything but the routed experts (the MoE backend places those) on `device`."""
+    if device.type == "cpu":
+        return lw
+    moved = {}
+    for name, val in vars(lw).items():
+        if name in ("experts_gate_up", "experts_down"):
+            moved[name] = val
+        elif isinstance(val, QWeight):
+            moved[name] = _to_dev(val, device)
+        elif isinstance(val, torch.Tensor):
+            moved[name] = val.to(device)
+        else:
+            moved[name] = val
+    return LayerWeights(**moved)
+
+
+class Gemma4Model:
+    """Gemma 4 text model; `forward` runs a varlen batch through the paged KV pools."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Gemma4Weights,
+        attn: AttentionBackend,
+        moe: MoEBackend,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        if len(weights.layers) != cfg.num_layers:
+            raise ValueError(f"weights have {len(weights.layers)} layers, config says {cfg.num_layers}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype  # compute dtype of the linears and attention; the residual stream is fp32
+        self.attn = attn
+        self.moe = moe
+        self.embed = _to_dev(weights.embed, self.device)  # [V, H], also the tied lm_head
+        self.final_norm = weights.final_norm.to(self.device).float()
+        self.layers = [_layer_to(lw, self.device) for lw in weights.layers]
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.router_root = cfg.hidden_size ** -0.5
+        self._sliding = [t == "sliding" for t in cfg.layer_types]
+        self.ropes = {
+            "sliding": _Rope(cfg.rope_theta_swa, cfg.rope_dims_swa, cfg.rope_dims_swa // 2,
+                             cfg.rope_dims_swa // 2, self.device),
+            "full": _Rope(cfg.rope_theta_full, cfg.rope_dims_full, cfg.rope_full_rotated_pairs,
+                          cfg.head_dim_full // 2, self.device),
+        }
+
+    # ---- public API ----
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """input_ids [T] (new tokens of every sequence, flat) -> fp32 hidden [T, H] after the final norm."""
+        ids = input_ids.to(self.device)
+        positions = meta.positions.to(self.device)  # [T]
+        h = embedding(ids, self.embed) * self.embed_scale  # [T, H] fp32 residual stream
+        rope = {kind: r.lookup(positions) for kind, r in self.ropes.items()}
+        for i, lw in enumerate(self.layers):
+            h = self._layer(i, lw, h, rope["sliding" if self._sliding[i] else "full"], meta, pool)
+        return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> fp32 logits [N, V] (tied lm_head, final softcap)."""
+        out = linear(hidden.to(self.dtype), self.embed).float()  # [N, V]
+        cap = self.cfg.final_logit_softcap
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    # ---- internals ----
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor | None, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+        return rms_norm(x, w, self.cfg.rms_norm_eps, dtype)
+
+    def _layer(
+        self,
+        i: int,
+        lw: LayerWeights,
+        h: torch.Tensor,  # [T, H] fp32 residual stream
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        dt, f32 = self.dtype, torch.float32  # branch inputs in the compute dtype, residual in fp32
+        a = self._attention(i, lw, self._norm(h, lw.attn_norm, dt), rope, meta, pool)  # [T, H]
+        h = h + self._norm(a, lw.post_attention_norm, f32)
+        m1 = self._norm(self._mlp(lw, self._norm(h, lw.ffn_norm, dt)), lw.post_ffw_norm_1, f32)  # [T, H]
+        topk_ids, topk_w = self._route(lw, h)  # the router reads h itself
+        m2 = self.moe.forward(i, self._norm(h, lw.pre_ffw_norm_2, dt), topk_ids, topk_w)  # [T, H]
+        h = h + self._norm(m1 + self._norm(m2, lw.post_ffw_norm_2, f32), lw.post_ffw_norm, f32)
+        return h * lw.layer_scalar
+
+    def _attention(
+        self,
+        i: int,
+        lw: LayerWeights,
+        x: torch.Tensor,  # [T, H] normed
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        pool: KVPool,
+    ) -> torch.Tensor:  # [T, H]
+        cfg = self.cfg
+        T = x.shape[0]
+        sliding = self._sliding[i]
+        D = cfg.head_dim_swa if sliding else cfg.head_dim_full
+        kvh = cfg.num_kv_heads_swa if sliding else cfg.num_kv_heads_full
+        half = self.ropes["sliding" if sliding else "full"].half
+        cos, sin = rope
+        q = linear(x, lw.q_proj).view(T, cfg.num_heads, D)  # [T, NH, D]
+        q = apply_rope(self._norm(q, lw.q_norm), cos, sin, half)
+        k_raw = linear(x, lw.k_proj).view(T, kvh, D)  # [T, KVH, D]
+        v_raw = k_raw if lw.v_proj is None else linear(x, lw.v_proj).view(T, kvh, D)  # K = V on full layers
+        k = apply_rope(self._norm(k_raw, lw.k_norm), cos, sin, half)
+        v = self._norm(v_raw, None)
+        o = self.attn.forward(i, q, k, v, meta, pool)  # [T, NH, D]
+        return linear(o.reshape(T, cfg.num_heads * D), lw.o_proj)
+
+    def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate = F.gelu(linear(x, lw.gate_proj), approximate="tanh")  # [T, I]
+        return linear(gate * linear(x, lw.up_proj), lw.down_proj)
+
+    def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk ids [T, K] int64, weights [T, K] fp32): softmax over all experts, top-k, renormalise,
+        times per_expert_scale."""
+        t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_root  # [T, H]
+        probs = torch.softmax(F.linear(t, lw.router), dim=-1, dtype=torch.float32)  # [T, E]
+        w, ids = torch.topk(probs, self.cfg.top_k_experts, dim=-1)  # [T, K]
+        w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w * lw.per_expert_scale[ids]

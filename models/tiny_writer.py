@@ -1,0 +1,186 @@
+"""GGUF writer for Gemma 4 models (llama.cpp `gemma4` keys, names, shapes and types), streamed tensor by
+tensor. Used by models/tiny.py; the loader (models/gguf_loader.py) reads what this writes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, quants
+
+from engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+ARCH = "gemma4"
+WRITE_QTYPES = ("Q4_0", "Q8_0", "F32", "F16", "BF16")
+_FILE_TYPE = {
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "F16": LlamaFileType.MOSTLY_F16,
+    "BF16": LlamaFileType.MOSTLY_BF16,
+    "F32": LlamaFileType.ALL_F32,
+}
+# tokenizer keys whose GGUF type llama.cpp checks (others are inferred from the Python value)
+_TOKENIZER_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
+    "tokenizer.ggml.tokens": (GGUFValueType.ARRAY, GGUFValueType.STRING),
+    "tokenizer.ggml.merges": (GGUFValueType.ARRAY, GGUFValueType.STRING),
+    "tokenizer.ggml.scores": (GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+    "tokenizer.ggml.token_type": (GGUFValueType.ARRAY, GGUFValueType.INT32),
+    "tokenizer.ggml.eos_token_ids": (GGUFValueType.ARRAY, GGUFValueType.INT32),
+}
+
+
+@dataclass
+class RawTensor:
+    """A tensor already in GGUF stored form: `data` is what goes to disk (uint8 rows for block types,
+    or a numpy array of the type's dtype); `shape` is the torch-order element shape."""
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+
+def tensor_qtype(name: str, shape: tuple[int, ...], qtype: str) -> str:
+    """Stored type of tensor `name`: `qtype` for large matrices, F32 for norms/router/scalars."""
+    if len(shape) < 2 or not name.endswith(".weight") or ".ffn_gate_inp." in name or name.startswith("rope_"):
+        return "F32"
+    if qtype in ("Q4_0", "Q8_0") and shape[-1] % 32 != 0:
+        return "F16"
+    return qtype
+
+
+def stored_nbytes(shape: tuple[int, ...], qtype: str) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return int(np.prod(shape, dtype=np.int64)) // block * size
+
+
+def encode(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """fp32 array (torch order) -> the stored bytes/array of `qtype`."""
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if qtype == "F32":
+        return arr
+    if qtype == "F16":
+        return arr.astype(np.float16)
+    return quants.quantize(arr, GGMLQuantizationType[qtype])
+
+
+def _value_type(key: str, val: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
+    if key in _TOKENIZER_TYPES:
+        return _TOKENIZER_TYPES[key]
+    if isinstance(val, bool):
+        return GGUFValueType.BOOL, None
+    if isinstance(val, int):
+        return (GGUFValueType.UINT32 if 0 <= val < 2**32 else GGUFValueType.INT64), None
+    if isinstance(val, float):
+        return GGUFValueType.FLOAT32, None
+    if isinstance(val, str):
+        return GGUFValueType.STRING, None
+    if isinstance(val, (list, tuple)):
+        if not val:
+            raise ValueError(f"metadata key {key!r}: empty arrays cannot be written")
+        v0 = val[0]
+        sub = (
+            GGUFValueType.STRING if isinstance(v0, str)
+            else GGUFValueType.BOOL if isinstance(v0, bool)
+            else GGUFValueType.FLOAT32 if isinstance(v0, float)
+            else GGUFValueType.INT32
+        )
+        return GGUFValueType.ARRAY, sub
+    raise ValueError(f"metadata key {key!r}: cannot write a value of type {type(val).__name__}")
+
+
+def add_model_metadata(w: GGUFWriter, cfg: ModelConfig, qtype: str, name: str) -> None:
+    """The `gemma4.*` keys llama.cpp's gemma4 loader reads (see shared/reference/gemma4.md)."""
+    kv_heads = [cfg.num_kv_heads_swa if t == "sliding" else cfg.num_kv_heads_full for t in cfg.layer_types]
+    w.add_name(name)
+    w.add_file_type(int(_FILE_TYPE[qtype]))
+    w.add_quantization_version(2)
+    w.add_context_length(cfg.context_length)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.top_k_experts)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(cfg.head_dim_full)
+    w.add_value_length(cfg.head_dim_full)
+    w.add_key_length_swa(cfg.head_dim_swa)
+    w.add_value_length_swa(cfg.head_dim_swa)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_sliding_window_pattern([t == "sliding" for t in cfg.layer_types])
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+    w.add_rope_freq_base(cfg.rope_theta_full)
+    w.add_rope_freq_base_swa(cfg.rope_theta_swa)
+    w.add_rope_dimension_count(cfg.rope_dims_full)
+    w.add_rope_dimension_count_swa(cfg.rope_dims_swa)
+    if cfg.final_logit_softcap is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcap)
+
+
+def write_gguf(
+    path: str,
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray | RawTensor],
+    tokenizer_meta: Mapping[str, Any],
+    qtype: str = "Q4_0",
+    progress: bool = False,
+    name: str = "swaserve-random-gemma4",
+) -> None:
+    """Write a Gemma 4 GGUF: large matrices in `qtype`, norms/router/scalars F32, plus the model
+    metadata and `tokenizer_meta` (tokenizer.* keys). Tensors are fetched from `tensors` one at a
+    time while writing (a lazy Mapping with a `shapes` attribute is never fully materialised)."""
+    if qtype not in WRITE_QTYPES:
+        raise ValueError(f"--qtype {qtype!r}: expected one of {', '.join(WRITE_QTYPES)}")
+    shapes: Mapping[str, tuple[int, ...]] | None = getattr(tensors, "shapes", None)
+    plan: list[tuple[str, tuple[int, ...], str]] = []
+    for tname in tensors:
+        if shapes is not None:
+            shape, tq = tuple(shapes[tname]), None
+        else:
+            val = tensors[tname]
+            shape = tuple(val.shape)
+            tq = val.qtype if isinstance(val, RawTensor) else None
+        plan.append((tname, shape, tq or tensor_qtype(tname, shape, qtype)))
+
+    w = GGUFWriter(path, ARCH)
+    add_model_metadata(w, cfg, qtype, name)
+    for key, val in tokenizer_meta.items():
+        vtype, sub = _value_type(key, val)
+        w.add_key_value(key, list(val) if isinstance(val, tuple) else val, vtype, sub_type=sub)
+    for tname, shape, tq in plan:
+        gq = GGMLQuantizationType[tq]
+        w.add_tensor_info(tname, shape, np.dtype(np.float32), stored_nbytes(shape, tq), raw_dtype=gq)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(stored_nbytes(s, q) for _, s, q in plan), unit="B", unit_scale=True,
+                   desc=f"writing {path}")
+    try:
+        for tname, shape, tq in plan:
+            val = tensors[tname]
+            if isinstance(val, RawTensor):
+                assert val.qtype == tq, (tname, val.qtype, tq)
+                data = val.data
+            else:
+                assert tuple(val.shape) == shape, (tname, val.shape, shape)
+                data = encode(val, tq)
+            assert data.nbytes == stored_nbytes(shape, tq), (tname, data.nbytes)
+            w.write_tensor_data(data)
+            if bar is not None:
+                bar.update(data.nbytes)
+    finally:
+        if bar is not None:
+            bar.close()
+        w.close()

@@ -1,0 +1,76 @@
+"""build_app(engine, ServerConfig) -> FastAPI.
+
+`engine` is a started Engine, or a zero-argument callable that builds one: then the app answers at once
+(/health is 503 "loading") and the engine loads in a background thread, started by the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from server.auth import check_api_key
+from server.errors import APIError, install_error_handlers
+from server.routes_chat import router as chat_router
+from server.routes_completions import router as completions_router
+from server.routes_misc import router as misc_router
+from server.state import ServerConfig, ServerState
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+__all__ = ["ServerConfig", "ServerState", "build_app"]
+
+
+class _AuthMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would interfere with streaming and disconnect detection)."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            try:
+                check_api_key(Request(scope), self.api_key)
+            except APIError as e:
+                body = json.dumps(e.body()).encode()
+                await send({"type": "http.response.start", "status": e.status,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine | Callable[[], Engine], cfg: ServerConfig | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (an Engine, or a loader callable run in a thread)."""
+    cfg = cfg or ServerConfig()
+    if callable(engine) and not hasattr(engine, "generate"):
+        state = ServerState(cfg, None, loader=engine)
+    else:
+        state = ServerState(cfg, engine)  # type: ignore[arg-type]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            state.shutdown()
+
+    app = FastAPI(title="swaserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.swa = state
+    install_error_handlers(app)
+    app.include_router(chat_router)
+    app.include_router(completions_router)
+    app.include_router(misc_router)
+    if cfg.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+    return app

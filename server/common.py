@@ -1,0 +1,167 @@
+"""Helpers shared by the completion routes: sampling params, usage, logprobs, per-request log + metrics."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
+from server.errors import APIError, bad_request, from_exception
+from server.protocol import _SamplingFields
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+logger = logging.getLogger("swaserve.server")
+
+
+def build_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                 skip_special_tokens: bool, vocab_size: int,
+                 rename: dict[str, str] | None = None) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; 400 naming the field (SamplingParams name -> `rename`d)."""
+    stop: tuple[str, ...] = ()
+    if isinstance(req.stop, str):
+        stop = (req.stop,) if req.stop else ()
+    elif req.stop:
+        stop = tuple(s for s in req.stop if s)
+    bias: list[tuple[int, float]] = []
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+        if not -100.0 <= v <= 100.0:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
+        bias.append((tid, float(v)))
+    top_k = -1 if req.top_k in (None, 0) else req.top_k
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=tuple(bias),
+        n=req.n,
+        skip_special_tokens=skip_special_tokens,
+    )
+    try:
+        params.validate(vocab_size)
+    except RequestError as e:
+        param = (rename or {}).get(e.param or "", e.param)
+        raise APIError(400, str(e), param, "invalid_value") from None
+    return params
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               report: bool) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if report:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0
+
+
+class TokenText:
+    """Token id -> its text (special tokens included), memoised."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.tok.decode([tid], skip_special_tokens=False)
+            self.cache[tid] = s
+        return s
+
+
+def chat_logprobs(lps: list[TokenLogprob], text: TokenText, k: int) -> list[dict[str, Any]]:
+    out = []
+    for lp in lps:
+        t = text(lp.token_id)
+        out.append({"token": t, "logprob": _lp(lp.logprob), "bytes": list(t.encode()),
+                    "top_logprobs": [{"token": text(i), "logprob": _lp(v), "bytes": list(text(i).encode())}
+                                     for i, v in lp.top[:k]]})
+    return out
+
+
+def completion_logprobs(lps: list[TokenLogprob], text: TokenText, k: int, offset: int) -> dict[str, Any]:
+    """Legacy completions format; `offset` is the text offset of the first token."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        t = text(lp.token_id)
+        tokens.append(t)
+        token_lps.append(_lp(lp.logprob))
+        tops.append({text(i): _lp(v) for i, v in lp.top[:k]} if k > 0 else None)
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class RequestTracker:
+    """Per HTTP request: latency histograms and exactly one INFO log line."""
+
+    def __init__(self, state: ServerState, request_id: str):
+        self.state = state
+        self.rid = request_id
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last: dict[tuple[int, int], float] = {}
+        self.done = False
+
+    def on_output(self, prompt_idx: int, out: RequestOutput) -> None:
+        n = len(out.token_ids)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        m = self.state.metrics
+        if self.first is None:
+            self.first = now
+            m.ttft.observe(now - self.t0)
+        key = (prompt_idx, out.index)
+        prev = self.last.get(key)
+        if prev is not None:
+            gap = (now - prev) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+        self.last[key] = now
+
+    def finish(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, finish: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.perf_counter()
+        self.state.metrics.e2e.observe(now - self.t0)
+        ttft = f"{self.first - self.t0:.3f}s" if self.first is not None else "-"
+        logger.info("%s: prompt=%d cached=%d completion=%d ttft=%s total=%.3fs finish=%s", self.rid,
+                    prompt_tokens, cached_tokens, completion_tokens, ttft, now - self.t0, finish)
+
+    def fail(self, e: BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        err = from_exception(e)
+        logger.info("%s: error %d %s: %s (after %.3fs)", self.rid, err.status, err.code or err.type,
+                    err.message, time.perf_counter() - self.t0)
+
+    def disconnected(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        logger.info("%s: client disconnected after %.3fs; request aborted", self.rid,
+                    time.perf_counter() - self.t0)

@@ -1,0 +1,93 @@
+"""`swaserve serve`: flags, config validation before the model loads, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+
+from server.app import build_app
+from server.state import ServerConfig
+
+logger = logging.getLogger("swaserve.server")
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be an integer, got {s!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in [0, 65535], got {v}")
+    return v
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=_port, default=1919, help="port (default 1919)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the GGUF file stem, or swaserve-demo)")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on the API routes")
+    g.add_argument("--enable-cache-report", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Fail fast (before loading the model) when the address cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty")
+    return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+                        enable_cache_report=args.enable_cache_report)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Validate every flag, then serve at once while the model loads in a background thread."""
+    import uvicorn
+
+    from engine.args import engine_config_from_args
+
+    engine_cfg = engine_config_from_args(args)  # ValueError: one line from cli.py, nothing loaded
+    server_cfg = server_config_from_args(args)
+    _check_bind(args.host, args.port)
+
+    def load():
+        from engine.engine import Engine
+
+        return Engine(engine_cfg, progress=True)
+
+    app = build_app(load, server_cfg)
+    state = app.state.swa
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def on_load_error(e: BaseException) -> None:
+        server.should_exit = True
+
+    state.on_load_error = on_load_error
+    logger.info("swaserve listening on http://%s:%d (model loading in the background; /health is 503 until "
+                "ready)", args.host, args.port)
+    server.run()
+    if state.load_error is not None:
+        if isinstance(state.load_error, ValueError):
+            raise state.load_error  # printed as one line by cli.py
+        raise RuntimeError(f"model load failed: {state.load_error}") from state.load_error
+    return 0

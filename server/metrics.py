@@ -1,0 +1,96 @@
+"""Prometheus metrics (own CollectorRegistry), vLLM-like names with the `swaserve:` prefix.
+
+Counters and gauges are read from Engine.stats() at scrape time (the engine is the source of truth);
+latency histograms are observed by the server per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+P = "swaserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+
+
+def _pool_usage(pool: dict[str, Any]) -> float:
+    if "usage" in pool:
+        return float(pool["usage"])
+    total = pool.get("total") or 0
+    return float(pool.get("used", 0)) / total if total else 0.0
+
+
+class _EngineCollector(Collector):
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.state.stats()
+        if stats is None:
+            return
+        model = self.state.model_name
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric([model], float(value))
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric([model], float(value))
+            return g
+
+        yield counter("prompt_tokens", "Prefill tokens processed (prompt tokens of admitted requests).",
+                      stats.get("prompt_tokens_total", 0))
+        yield counter("generation_tokens", "Generated tokens.", stats.get("generation_tokens_total", 0))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.get("prefix_cache_query_tokens", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens whose KV was reused from the prefix cache.",
+                      stats.get("prefix_cache_hit_tokens", 0))
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.get("running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be admitted.", stats.get("waiting", 0))
+        usage = GaugeMetricFamily(P + "kv_cache_usage_perc",
+                                  "KV pool usage (1 = full) per pool, as the engine reports it.",
+                                  labels=["model_name", "pool"])
+        pages = GaugeMetricFamily(P + "kv_cache_pages", "KV pool pages by state.",
+                                  labels=["model_name", "pool", "state"])
+        for pool in ("full", "swa"):
+            ps = stats.get(f"{pool}_pool") or {}
+            usage.add_metric([model, pool], _pool_usage(ps))
+            for st in ("total", "free", "used", "cached"):
+                if st in ps:
+                    pages.add_metric([model, pool, st], float(ps[st]))
+        yield usage
+        yield pages
+
+
+class Metrics:
+    """The registry plus the per-request histograms the server observes."""
+
+    def __init__(self, state: ServerState):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(state))
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""GET /v1/models, /health, /metrics; POST /tokenize, /detokenize, /flush_cache."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.errors import APIError, bad_request
+from server.metrics import CONTENT_TYPE
+from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.routes_chat import _message_dict, _tools
+from server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.swa
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.engine is None:
+        state.ready_engine()  # raises 503 (loading or failed)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = _state(request)
+    engine = state.ready_engine()
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "swaserve",
+            "root": engine.model_name, "max_model_len": engine.context_length}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> Response:
+    state = _state(request)
+    engine = state.ready_engine()
+    name = state.check_model(model_id)
+    return JSONResponse({"id": name, "object": "model", "created": state.created, "owned_by": "swaserve",
+                         "root": engine.model_name, "max_model_len": engine.context_length})
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    state = _state(request)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    starts: list[int] = []
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages must not be empty", "messages")
+        fake = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+        tools, _, _ = _tools(fake)
+        msgs = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        try:
+            rendered = engine.chat_template.render(msgs, tools=tools,
+                                                   add_generation_prompt=body.add_generation_prompt,
+                                                   **(body.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        ids = list(rendered.token_ids)
+        starts = list(rendered.message_starts)
+    else:
+        assert body.prompt is not None
+        tok = engine.tokenizer
+        add_bos = body.add_special_tokens and not body.prompt.startswith(tok.id_to_piece(tok.bos_id))
+        ids = tok.encode(body.prompt, add_bos=add_bos)
+    out = {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+    if body.messages is not None:
+        out["message_starts"] = starts
+    return JSONResponse(out)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    state = _state(request)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    vocab = engine.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+@router.post("/flush_cache")
+@router.post("/reset_prefix_cache")
+async def flush_cache(request: Request) -> Response:
+    engine = _state(request).ready_engine()
+    if not engine.flush_cache():
+        raise APIError(400, "cannot flush the cache while requests are running", None, "requests_running")
+    return JSONResponse({"status": "ok", "message": "cache flushed"})

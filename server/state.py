@@ -1,0 +1,106 @@
+"""Server configuration and the state shared by the routes (the engine, possibly still loading)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from server.errors import APIError
+from server.metrics import Metrics
+from server.reasoning import SpecialText
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+logger = logging.getLogger("swaserve.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None  # None = the engine's model_name
+    api_key: str | None = None
+    enable_cache_report: bool = False
+    disconnect_poll_s: float = 0.25  # how often a non-streamed request checks for a gone client
+
+
+class ServerState:
+    """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
+
+    def __init__(self, cfg: ServerConfig, engine: Engine | None,
+                 loader: Callable[[], Engine] | None = None):
+        self.cfg = cfg
+        self.engine: Engine | None = engine
+        self.loader = loader
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self.metrics = Metrics(self)
+        self.created = int(time.time())
+        self._special: SpecialText | None = None
+        self._thread: threading.Thread | None = None
+        self.owns_engine = engine is None
+
+    # --- loading -------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        if self.engine is not None or self.loader is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._load, name="swaserve-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        assert self.loader is not None
+        try:
+            t0 = time.perf_counter()
+            engine = self.loader()
+            engine.start()
+            self.engine = engine
+            logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
+                        engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
+        except BaseException as e:  # reported by /health and by run_serve
+            self.load_error = e
+            logger.error("model load failed: %s", e)
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.engine is not None
+
+    def shutdown(self) -> None:
+        if self.owns_engine and self.engine is not None:
+            self.engine.shutdown()
+
+    # --- accessors -----------------------------------------------------------------------------
+    def ready_engine(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.load_error is not None:
+            raise APIError(503, f"model failed to load: {self.load_error}", None, "load_failed")
+        raise APIError(503, "the model is still loading; retry shortly", None, "loading")
+
+    @property
+    def model_name(self) -> str:
+        if self.cfg.served_model_name:
+            return self.cfg.served_model_name
+        return self.engine.model_name if self.engine is not None else "swaserve"
+
+    def check_model(self, name: str | None) -> str:
+        """The name to echo in responses; 404 for a model this server does not serve."""
+        engine = self.ready_engine()
+        if name is None or name in (self.model_name, engine.model_name):
+            return self.model_name
+        raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
+                       "model", "model_not_found")
+
+    @property
+    def special(self) -> SpecialText:
+        if self._special is None:
+            self._special = SpecialText.from_tokenizer(self.ready_engine().tokenizer)
+        return self._special
+
+    def stats(self) -> dict[str, Any] | None:
+        return self.engine.stats() if self.engine is not None else None

@@ -1,0 +1,271 @@
+"""models/gguf_loader.py: writer -> loader round trip, stored forms, and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine.quant.dequant import dequantize
+from engine.quant.linear import expert_slice, linear
+from models import tiny_writer
+from models.demo_tokenizer import demo_tokenizer_metadata
+from models.gguf_loader import GGUFError, load_gguf, read_metadata
+from models.tiny import RawTensor, preset_config, random_tensors, write_gguf
+
+# LayerWeights field -> GGUF name (blk.N. prefix); the loader must map each one to its own tensor
+LAYER_FIELDS = {
+    "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight", "post_attention_norm": "post_attention_norm.weight",
+    "ffn_norm": "ffn_norm.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight", "post_ffw_norm_1": "post_ffw_norm_1.weight",
+    "router": "ffn_gate_inp.weight", "router_scale": "ffn_gate_inp.scale",
+    "pre_ffw_norm_2": "pre_ffw_norm_2.weight", "experts_gate_up": "ffn_gate_up_exps.weight",
+    "experts_down": "ffn_down_exps.weight", "per_expert_scale": "ffn_down_exps.scale",
+    "post_ffw_norm_2": "post_ffw_norm_2.weight", "post_ffw_norm": "post_ffw_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return preset_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def tensors(cfg):
+    return random_tensors(cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tok_meta():
+    return demo_tokenizer_metadata()
+
+
+def _write(path: Path, cfg, tensors, tok_meta, qtype: str = "Q4_0") -> str:
+    write_gguf(str(path), cfg, tensors, tok_meta, qtype=qtype)
+    return str(path)
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return dequantize(x) if hasattr(x, "qtype") else x
+
+
+def _loaded_by_name(m) -> dict[str, torch.Tensor]:
+    out = {"token_embd.weight": dequantize(m.weights.embed), "output_norm.weight": m.weights.final_norm}
+    for i, layer in enumerate(m.weights.layers):
+        for field, gname in LAYER_FIELDS.items():
+            val = getattr(layer, field)
+            if val is not None:
+                out[f"blk.{i}.{gname}"] = _as_tensor(val)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F32", "F16"])
+def test_round_trip(tmp_path, cfg, tensors, tok_meta, qtype: str) -> None:
+    path = _write(tmp_path / "m.gguf", cfg, tensors, tok_meta, qtype)
+    m = load_gguf(path, progress=False)
+    assert m.config == cfg  # every config field recovered from metadata (+ rope_freqs)
+    assert m.path == path and m.file_size == Path(path).stat().st_size
+    assert m.metadata["general.architecture"] == "gemma4"
+    assert m.metadata["tokenizer.ggml.tokens"] == list(tok_meta["tokenizer.ggml.tokens"])
+    got = _loaded_by_name(m)
+    assert set(got) == set(tensors) - {"rope_freqs.weight"}
+    for name, t in got.items():
+        want = tensors[name]
+        assert tuple(t.shape) == want.shape, name
+        tq = tiny_writer.tensor_qtype(name, want.shape, qtype)
+        if tq == "F32":
+            assert torch.equal(t, torch.from_numpy(want)), name  # norms, router, scalars: exact
+        else:  # exactly gguf's own quantize -> dequantize of what was written
+            ref = quants.dequantize(tiny_writer.encode(want, tq), GGMLQuantizationType[tq])
+            assert torch.equal(t, torch.from_numpy(ref.reshape(want.shape))), name
+            if tq == "Q4_0":  # and within Q4_0 error of the original: |err| <= amax(block) / 8 (+ fp16 d)
+                blocks = np.abs(want.reshape(-1, 32)).max(axis=1, keepdims=True)
+                err = np.abs(t.numpy().reshape(-1, 32) - want.reshape(-1, 32))
+                assert np.all(err <= blocks / 8 * 1.01 + 1e-6), name
+    layer = m.weights.layers[0]
+    assert layer.q_proj.qtype == (qtype if qtype != "F32" else "F32")
+    assert layer.router.dtype == torch.float32 and layer.layer_scalar.shape == (1,)
+    assert m.weights.layers[-1].v_proj is None and layer.v_proj is not None  # K = V on the full layer
+
+
+def test_stored_form_is_a_view_of_the_file(tmp_path, cfg, tensors, tok_meta) -> None:
+    path = _write(tmp_path / "m.gguf", cfg, tensors, tok_meta)
+    m = load_gguf(path, progress=False)
+    raw = Path(path).read_bytes()
+    reader = gguf.GGUFReader(path)
+    info = {t.name: t for t in reader.tensors}["blk.1.ffn_down_exps.weight"]
+    w = m.weights.layers[1].experts_down
+    assert w.qtype == "Q4_0" and w.data.dtype == torch.uint8 and w.data.shape == (8, 64, 18)
+    assert w.data.numpy().tobytes() == raw[info.data_offset : info.data_offset + info.n_bytes]
+    # using it (repack, file pages released) leaves the weight intact
+    before = dequantize(w).clone()
+    x = torch.randn(3, cfg.moe_intermediate_size)
+    for e in range(cfg.num_experts):
+        linear(x, expert_slice(w, e))
+        linear(x.bfloat16(), expert_slice(w, e))
+    assert torch.equal(dequantize(w), before)
+
+
+def test_separate_gate_up_accepted(tmp_path, cfg, tensors, tok_meta) -> None:
+    fused_path = _write(tmp_path / "fused.gguf", cfg, tensors, tok_meta)
+    split: dict[str, np.ndarray] = {}
+    ie = cfg.moe_intermediate_size
+    for name, t in tensors.items():
+        if name.endswith("ffn_gate_up_exps.weight"):
+            p = name.replace("ffn_gate_up_exps.weight", "")
+            split[p + "ffn_gate_exps.weight"] = t[:, :ie]
+            split[p + "ffn_up_exps.weight"] = t[:, ie:]
+        else:
+            split[name] = t
+    split_path = _write(tmp_path / "split.gguf", cfg, split, tok_meta)
+    names = {t.name for t in gguf.GGUFReader(split_path).tensors}
+    assert "blk.0.ffn_gate_exps.weight" in names and "blk.0.ffn_gate_up_exps.weight" not in names
+    a, b = load_gguf(fused_path, progress=False), load_gguf(split_path, progress=False)
+    for la, lb in zip(a.weights.layers, b.weights.layers):
+        assert lb.experts_gate_up.shape == (cfg.num_experts, 2 * ie, cfg.hidden_size)
+        assert torch.equal(dequantize(la.experts_gate_up), dequantize(lb.experts_gate_up))
+
+
+def test_other_types_dequantized_at_load(tmp_path, cfg, tensors, tok_meta) -> None:
+    t = dict(tensors)
+    w = tensors["blk.2.attn_q.weight"]
+    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
+    t["blk.2.attn_q.weight"] = RawTensor("Q5_0", raw, w.shape)
+    m = load_gguf(_write(tmp_path / "m.gguf", cfg, t, tok_meta), progress=False)
+    q = m.weights.layers[2].q_proj
+    assert q.qtype == "F16" and q.shape == w.shape
+    ref = quants.dequantize(raw, GGMLQuantizationType.Q5_0).astype(np.float16).astype(np.float32)
+    assert torch.equal(dequantize(q), torch.from_numpy(ref))
+
+
+def test_tokenizer_model_llama_with_pre_gemma4_passes_through(tmp_path, cfg, tensors, tok_meta) -> None:
+    meta = dict(tok_meta, **{"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "gemma4"})
+    m = load_gguf(_write(tmp_path / "m.gguf", cfg, tensors, meta), progress=False)
+    assert m.metadata["tokenizer.ggml.model"] == "llama" and m.metadata["tokenizer.ggml.pre"] == "gemma4"
+
+
+def test_read_metadata_plain_python(tmp_path, cfg, tensors, tok_meta) -> None:
+    meta = read_metadata(_write(tmp_path / "m.gguf", cfg, tensors, tok_meta))
+    assert meta["gemma4.attention.head_count_kv"] == [2, 2, 2, 2, 2, 1]
+    assert meta["gemma4.attention.sliding_window_pattern"] == [True] * 5 + [False]
+    assert meta["gemma4.attention.sliding_window"] == 64
+    assert meta["gemma4.final_logit_softcapping"] == pytest.approx(30.0)
+    assert meta["tokenizer.ggml.add_bos_token"] is True
+    assert isinstance(meta["tokenizer.chat_template"], str)
+    assert all(type(v) in (str, int, float, bool, list) for v in meta.values())
+
+
+def test_fast_reader_matches_gguf_reader(tmp_path, cfg, tensors, tok_meta) -> None:
+    from models.gguf_loader import _metadata, _Reader
+
+    path = _write(tmp_path / "m.gguf", cfg, tensors, tok_meta)
+    fast, stock = _Reader(path), gguf.GGUFReader(path)
+    assert _metadata(fast) == _metadata(stock)
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.tokens", "gemma4.attention.head_count_kv"):
+        a, b = fast.fields[key], stock.fields[key]
+        assert a.types == b.types and a.contents(slice(2, 5)) == b.contents(slice(2, 5))
+    assert [(t.name, t.data_offset, t.tensor_type) for t in fast.tensors] == [
+        (t.name, t.data_offset, t.tensor_type) for t in stock.tensors]
+
+
+# ---- errors: one line, naming the key/tensor and the file ----
+
+
+def _load_err(path: str) -> str:
+    with pytest.raises(GGUFError) as ei:
+        load_gguf(path, progress=False)
+    msg = str(ei.value)
+    assert "\n" not in msg and path in msg
+    assert isinstance(ei.value, ValueError)
+    return msg
+
+
+def test_error_missing_tensor(tmp_path, cfg, tensors, tok_meta) -> None:
+    t = {k: v for k, v in tensors.items() if k != "blk.2.ffn_down.weight"}
+    assert "missing tensor blk.2.ffn_down.weight" in _load_err(_write(tmp_path / "m.gguf", cfg, t, tok_meta))
+    t = {k: v for k, v in tensors.items() if k != "blk.4.attn_v.weight"}  # sliding layers need V
+    assert "missing tensor blk.4.attn_v.weight" in _load_err(_write(tmp_path / "v.gguf", cfg, t, tok_meta))
+    t = {k: v for k, v in tensors.items() if k != "rope_freqs.weight"}
+    assert "missing tensor rope_freqs.weight" in _load_err(_write(tmp_path / "r.gguf", cfg, t, tok_meta))
+    t = {k: v for k, v in tensors.items() if "blk.3.ffn_gate_up_exps" not in k}
+    assert "missing tensor blk.3.ffn_gate_up_exps.weight" in _load_err(
+        _write(tmp_path / "e.gguf", cfg, t, tok_meta))
+
+
+def test_error_wrong_shape(tmp_path, cfg, tensors, tok_meta) -> None:
+    t = dict(tensors)
+    t["blk.1.attn_q.weight"] = np.zeros((cfg.num_heads * cfg.head_dim_swa + 32, cfg.hidden_size), np.float32)
+    msg = _load_err(_write(tmp_path / "m.gguf", cfg, t, tok_meta))
+    assert "blk.1.attn_q.weight" in msg and "(160, 64)" in msg and "(128, 64)" in msg
+    t = dict(tensors)
+    t["blk.0.ffn_down_exps.scale"] = np.ones(cfg.num_experts + 1, np.float32)
+    assert "blk.0.ffn_down_exps.scale" in _load_err(_write(tmp_path / "s.gguf", cfg, t, tok_meta))
+
+
+def test_error_wrong_architecture(tmp_path, cfg, tensors, tok_meta, monkeypatch) -> None:
+    monkeypatch.setattr(tiny_writer, "ARCH", "llama")
+    msg = _load_err(_write(tmp_path / "m.gguf", cfg, tensors, tok_meta))
+    assert "general.architecture" in msg and "'llama'" in msg
+
+
+def test_error_unsupported_type(tmp_path, cfg, tensors, tok_meta) -> None:
+    t = dict(tensors)
+    w = tensors["blk.0.attn_k.weight"]
+    t["blk.0.attn_k.weight"] = RawTensor("I32", np.zeros(w.shape, np.int32), w.shape)
+    msg = _load_err(_write(tmp_path / "m.gguf", cfg, t, tok_meta))
+    assert "blk.0.attn_k.weight" in msg and "unsupported type I32" in msg
+
+
+def test_error_missing_key(tmp_path, cfg, tensors, tok_meta, monkeypatch) -> None:
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, v: None)
+    msg = _load_err(_write(tmp_path / "m.gguf", cfg, tensors, tok_meta))
+    assert "missing metadata key gemma4.attention.sliding_window" in msg
+
+
+def test_error_not_gguf(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    assert "not a GGUF file" in _load_err(str(bad))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert "not a GGUF file" in _load_err(str(empty))
+    assert "no such file" in _load_err(str(tmp_path / "missing.gguf"))
+    with pytest.raises(GGUFError, match="not a GGUF"):
+        read_metadata(str(bad))
+
+
+def test_error_truncated_file(tmp_path, cfg, tensors, tok_meta) -> None:
+    path = _write(tmp_path / "m.gguf", cfg, tensors, tok_meta)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+    assert "not a GGUF file" in _load_err(path)
+
+
+def test_progress_bar(tmp_path, cfg, tensors, tok_meta, capsys) -> None:
+    load_gguf(_write(tmp_path / "m.gguf", cfg, tensors, tok_meta), progress=True)
+    assert "loading m.gguf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_small_preset_resident_memory(tmp_path) -> None:
+    """RSS after loading `small` <= 1.2 x file size + 300 MB (measured in a fresh process)."""
+    from models.tiny import make_model
+
+    path = make_model("small", str(tmp_path / "small.gguf"), progress=False)
+    code = (
+        "import psutil, sys; from models.gguf_loader import load_gguf; "
+        "m = load_gguf(sys.argv[1], progress=False); print(psutil.Process().memory_info().rss, m.file_size)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True)
+    rss, size = map(int, out.stdout.split())
+    assert rss <= 1.2 * size + 300e6, (rss, size)
+
