@@ -86,8 +86,10 @@ def bench_decode(r: Runner, rng: random.Random, vocab: int, conc: int, prompt_le
     }
 
 
-def bench_steady(r: Runner, rng: random.Random, vocab: int, conc: int, steps: int, first: int) -> dict:
-    """Keep `conc` requests running (random prompt / output lengths); RSS at step `first` and `steps`."""
+def bench_steady(r: Runner, rng: random.Random, vocab: int, conc: int, steps: int, first: int,
+                 prompt: tuple[int, int], output: tuple[int, int]) -> dict:
+    """Keep `conc` requests running (random prompt / output lengths in the given ranges, a new one
+    whenever one finishes); RSS at step `first` and at step `steps`."""
     eng = r.eng
     proc = psutil.Process()
     live: set[str] = set()
@@ -96,7 +98,7 @@ def bench_steady(r: Runner, rng: random.Random, vocab: int, conc: int, steps: in
     for step in range(1, steps + 1):
         live = {x for x in live if x in eng._open}
         while len(live) < conc:
-            live.add(r.add(_ids(rng, rng.randint(32, 384), vocab), rng.randint(16, 160)))
+            live.add(r.add(_ids(rng, rng.randint(*prompt), vocab), rng.randint(*output)))
         eng.step()
         if step == first:
             rss[first] = proc.memory_info().rss
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-len", type=int, default=2048, help="tokens of the prefill measurement")
     p.add_argument("--steady-steps", type=int, default=2000, help="steps of the steady load (0 = skip)")
     p.add_argument("--steady-first", type=int, default=100, help="step of the first RSS sample")
+    p.add_argument("--steady-prompt", default="16,96", help="prompt length range of the steady load")
+    p.add_argument("--steady-output", default="64,256", help="output length range of the steady load")
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -185,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{d['tokens_per_s'] / base:>6.2f}x"
         )
     if args.steady_steps > args.steady_first:
-        s = bench_steady(r, rng, vocab, max(conc), args.steady_steps, args.steady_first)
+        pr = tuple(int(x) for x in args.steady_prompt.split(","))
+        out = tuple(int(x) for x in args.steady_output.split(","))
+        s = bench_steady(r, rng, vocab, max(conc), args.steady_steps, args.steady_first, pr, out)  # type: ignore[arg-type]
         res["steady"] = s
         print(
             f"steady load, {s['concurrency']} running: RSS {s['rss_first_mb']:.0f} MiB at step "

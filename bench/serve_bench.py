@@ -392,15 +392,17 @@ def run_bench(args: argparse.Namespace) -> int:
         if not os.path.isfile(args.model):
             raise ValueError(f"--model {args.model}: no such file")
         base = ["--model", args.model, *base]
+    rc = 0
     for name, flags in configs:
         try:
             with ServerProcess(name, base + flags, args.server_timeout, args.server_log_dir) as srv:
                 bench.run_against(name, srv.url, srv.argv)
-        except RuntimeError as e:
+        except RuntimeError as e:  # a server that does not start: report it, go on with the others
             print(f"swaserve bench: {e}", file=sys.stderr)
-            return 1
+            rc = 1
     comps = bench.compare()
     if args.json:
         bench.dump(args.json, comps)
-    failed = any(r["summary"]["failed"] for r in bench.runs)
-    return 1 if failed else 0
+    if any(r["summary"]["failed"] for r in bench.runs):
+        rc = 1
+    return rc

@@ -28,11 +28,11 @@ _ROPE_MIN_TABLE = 4096  # first table size; grows by doubling up to the largest 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-0.5 * w in fp32, returned in `dtype` (default x's); w None = no weight."""
-    xf = x.float()
-    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    xf = x.float()  # no copy when x is fp32
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # weight applied in place below
     if w is not None:
-        y = y * w
-    return y.to(dtype or x.dtype)
+        y.mul_(w)
+    return y.to(dtype or x.dtype)  # no copy when the dtypes match
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:

@@ -1,16 +1,19 @@
 """Torch attention over the paged KV pools: the reference backend and the CPU fast path.
 
 Per batch and pool kind (full / sliding) a gather plan is built once and cached on the metadata
-object (so build a new AttentionMetadata per batch; never mutate one between steps). Decode rows
-(q_len 1) are padded into one batched SDPA call; each prefill sequence runs on its own. Only the key
-positions a sequence can see are gathered: [0, seq_len) on full layers, [max(0, prefix - W + 1),
-seq_len) on sliding layers. GQA folds the query-head group into the query-length dimension, so K/V
-are never repeated.
+object under `_torch_attn_plans` (so build a new AttentionMetadata per batch; never mutate one
+between steps). Decode rows (q_len 1) are padded into one batched SDPA call. Prefill sequences are
+cut into blocks of `Q_BLOCK` query rows; a block at positions [a, b) attends only to the keys it can
+see: [max(0, a - W + 1), b) on sliding layers (so the cost is linear in the prompt length) and
+[0, b) on full layers, with a small [rows, keys] mask per block. A full-layer prefill without a
+cached prefix runs as one causal SDPA call (is_causal is exact there and skips masked tiles).
+Each sequence's visible keys are gathered from the pool once per layer; blocks slice them. Inputs
+are 4-D so torch picks its fused (flash) CPU kernel; GQA uses `enable_gqa`, K/V are never repeated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +21,22 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.kv_pool import KVPool
 
+Q_BLOCK = 256  # query rows per prefill block
+
+
+@dataclass
+class _Block:
+    row0: int  # first query row in the flat batch
+    n: int  # query rows
+    k0: int  # first visible key, as an offset into the sequence's gathered keys
+    k1: int  # one past the last visible key (same offsets)
+    mask: torch.Tensor | None  # [n, k1 - k0] bool, True = attend; None = is_causal (square block)
+
 
 @dataclass
 class _Prefill:
-    row0: int  # first row of this sequence in the flat batch
-    n: int  # query tokens
-    slots: torch.Tensor  # [S] int64 pool slots of the visible keys
-    mask: torch.Tensor  # [n, S] bool, True = attend
+    slots: torch.Tensor  # [S] int64 pool slots of every key any block of this sequence sees
+    blocks: list[_Block] = field(default_factory=list)
 
 
 @dataclass
@@ -35,42 +47,62 @@ class _Plan:
     prefills: list[_Prefill]
 
 
-def _key_start(prefix: int, window: int, sliding: bool) -> int:
-    return max(0, prefix - window + 1) if sliding else 0
+def _key_start(pos: int, window: int, sliding: bool) -> int:
+    """First key a query at `pos` can see."""
+    return max(0, pos - window + 1) if sliding else 0
+
+
+def _plan_decodes(meta: AttentionMetadata, dec: list[int], table: torch.Tensor, sliding: bool,
+                  plan: _Plan, device: torch.device) -> None:
+    P, W = meta.page_size, meta.window
+    cu = meta.cu_q_lens
+    prefix = torch.tensor([meta.prefix_lens[b] for b in dec], dtype=torch.int64)  # [Bd]
+    lens = prefix + 1
+    starts = (prefix - W + 1).clamp_(min=0) if sliding else torch.zeros_like(prefix)  # [Bd]
+    s_max = int((lens - starts).max())
+    kpos = starts[:, None] + torch.arange(s_max)[None, :]  # [Bd, S]
+    valid = kpos < lens[:, None]  # [Bd, S]
+    kpos = torch.where(valid, kpos, starts[:, None]).to(device)  # [Bd, S] padded -> a real key
+    rows = torch.tensor(dec, dtype=torch.int64, device=device)
+    pages = table[rows].gather(1, kpos // P)  # [Bd, S]
+    plan.decode_rows = torch.tensor([cu[b] for b in dec], dtype=torch.int64, device=device)
+    plan.decode_slots = pages * P + kpos % P  # [Bd, S]
+    plan.decode_mask = valid.to(device)[:, None, None, :]  # [Bd, 1, 1, S]
+
+
+def _plan_prefill(row0: int, p: int, n: int, W: int, P: int, table_row: torch.Tensor, sliding: bool,
+                  device: torch.device) -> _Prefill:
+    start, end = _key_start(p, W, sliding), p + n
+    kpos = torch.arange(start, end, device=device)  # [S]
+    pf = _Prefill(table_row[kpos // P] * P + kpos % P)  # [S]
+    if not sliding and p == 0:
+        pf.blocks.append(_Block(row0, n, 0, n, None))  # plain causal over the whole sequence
+        return pf
+    for a in range(p, end, Q_BLOCK):
+        b = min(end, a + Q_BLOCK)
+        lo = _key_start(a, W, sliding)
+        qpos = torch.arange(a, b, device=device)[:, None]  # [nb, 1]
+        kp = torch.arange(lo, b, device=device)[None, :]  # [1, Sb]
+        mask = kp <= qpos  # [nb, Sb]
+        if sliding:
+            mask &= kp > qpos - W
+        pf.blocks.append(_Block(row0 + a - p, b - a, lo - start, b - start, mask))
+    return pf
 
 
 def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _Plan:
-    """Gather plan of one pool kind: which pool slots each query row attends to."""
-    P, W = meta.page_size, meta.window
+    """Gather plan of one pool kind: which pool slots (and mask) each query row attends to."""
     table = meta.swa_page_table if sliding else meta.full_page_table  # [B, max_pages]
     table = table.to(device)
-    cu = meta.cu_q_lens
-    dec = [b for b, q in enumerate(meta.q_lens) if q == 1]
     plan = _Plan(None, None, None, [])
+    dec = [b for b, q in enumerate(meta.q_lens) if q == 1]
     if dec:
-        lens = torch.tensor([meta.prefix_lens[b] + 1 for b in dec], dtype=torch.int64)  # [Bd]
-        starts = torch.tensor([_key_start(meta.prefix_lens[b], W, sliding) for b in dec], dtype=torch.int64)
-        s_max = int((lens - starts).max())
-        kpos = starts[:, None] + torch.arange(s_max)[None, :]  # [Bd, S]
-        valid = kpos < lens[:, None]  # [Bd, S]
-        kpos = torch.where(valid, kpos, starts[:, None]).to(device)  # [Bd, S] padded -> a real key
-        rows = torch.tensor(dec, dtype=torch.int64, device=device)
-        pages = table[rows].gather(1, kpos // P)  # [Bd, S]
-        plan.decode_rows = torch.tensor([cu[b] for b in dec], dtype=torch.int64, device=device)
-        plan.decode_slots = pages * P + kpos % P  # [Bd, S]
-        plan.decode_mask = valid.to(device)[:, None, None, :]  # [Bd, 1, 1, S]
+        _plan_decodes(meta, dec, table, sliding, plan, device)
+    cu = meta.cu_q_lens
     for b, n in enumerate(meta.q_lens):
-        if n == 1 or n == 0:
-            continue
-        p = meta.prefix_lens[b]
-        start, end = _key_start(p, W, sliding), p + n
-        kpos = torch.arange(start, end, device=device)  # [S]
-        slots = table[b, kpos // P] * P + kpos % P  # [S]
-        qpos = torch.arange(p, end, device=device)[:, None]  # [n, 1]
-        mask = kpos[None, :] <= qpos  # [n, S]
-        if sliding:
-            mask &= kpos[None, :] > qpos - W
-        plan.prefills.append(_Prefill(cu[b], n, slots, mask))
+        if n > 1:
+            plan.prefills.append(_plan_prefill(cu[b], meta.prefix_lens[b], n, meta.window, meta.page_size,
+                                               table[b], sliding, device))
     return plan
 
 
@@ -84,6 +116,28 @@ def _get_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        # reused gather buffers: a fresh multi-MB tensor per layer costs more in page faults than the copy
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _buf(self, tag: str, n: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        shape = (n, *like.shape[1:])
+        numel = n * like[0].numel()
+        key = (tag, dtype, like.device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=like.device)
+            self._scratch[key] = buf
+        return buf[:numel].view(shape)
+
+    def _gather(self, tag: str, src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """src[idx] ([n, KVH, D]) in `dtype`, written into a reused buffer (valid until the next call)."""
+        raw = self._buf(tag, idx.numel(), src, src.dtype)
+        torch.index_select(src, 0, idx, out=raw)
+        if src.dtype == dtype:
+            return raw
+        return self._buf(tag + "_cast", idx.numel(), src, dtype).copy_(raw)
 
     def forward(
         self,
@@ -110,17 +164,19 @@ class TorchAttentionBackend(AttentionBackend):
             rows = plan.decode_rows
             Bd, S = plan.decode_slots.shape
             flat = plan.decode_slots.view(-1)  # [Bd * S]
-            kg = K.index_select(0, flat).view(Bd, S, KVH, D).to(q.dtype).transpose(1, 2)  # [Bd, KVH, S, D]
-            vg = V.index_select(0, flat).view(Bd, S, KVH, D).to(q.dtype).transpose(1, 2)  # [Bd, KVH, S, D]
-            qd = q[rows].view(Bd, KVH, G, D)  # [Bd, KVH, G, D]
+            kg = self._gather("k", K, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
+            vg = self._gather("v", V, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
+            qd = q[rows].view(Bd, KVH, G, D)  # [Bd, KVH, G, D] (group folded into the query length)
             o = F.scaled_dot_product_attention(qd, kg, vg, attn_mask=plan.decode_mask, scale=1.0)
             out[rows] = o.reshape(Bd, H, D)
         for pf in plan.prefills:
-            n = pf.n
-            kg = K.index_select(0, pf.slots).to(q.dtype).transpose(0, 1)  # [KVH, S, D]
-            vg = V.index_select(0, pf.slots).to(q.dtype).transpose(0, 1)  # [KVH, S, D]
-            qs = q[pf.row0:pf.row0 + n].view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * n, D)
-            mask = pf.mask.repeat(G, 1)  # [G * n, S]
-            o = F.scaled_dot_product_attention(qs, kg, vg, attn_mask=mask, scale=1.0)  # [KVH, G * n, D]
-            out[pf.row0:pf.row0 + n] = o.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+            kg = self._gather("k", K, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
+            vg = self._gather("v", V, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
+            for blk in pf.blocks:
+                r0, r1 = blk.row0, blk.row0 + blk.n
+                qb = q[r0:r1].transpose(0, 1)[None]  # [1, H, n, D]
+                o = F.scaled_dot_product_attention(
+                    qb, kg[:, :, blk.k0:blk.k1], vg[:, :, blk.k0:blk.k1], attn_mask=blk.mask,
+                    is_causal=blk.mask is None, scale=1.0, enable_gqa=G > 1)  # [1, H, n, D]
+                out[r0:r1] = o[0].transpose(0, 1)
         return out

@@ -3,8 +3,8 @@
 Both kernels read K/V through a page table: the key at logical position n of sequence b lives in
 pool slot page_table[b, n // PAGE] * PAGE + n % PAGE. Keys are indexed by absolute position; a
 query at position p sees keys k <= p, and on sliding layers only k > p - window. Softmax runs in
-fp32 with an online (flash) rescale; `DOT_F32` upcasts dot operands to fp32 (used for fp32 KV and
-under TRITON_INTERPRET=1, whose bf16 dot is wrong).
+fp32 with an online (flash) rescale. `DOT_F32` upcasts dot operands to fp32 with exact (ieee, not
+tf32) products: for fp32 KV, and for bf16 under TRITON_INTERPRET=1, whose bf16 dot is wrong.
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def _prefill_kernel(
                     mask=n_valid[:, None], other=0.0)  # [BN, D]
         if DOT_F32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BM, BN]
+        if DOT_F32:  # exact fp32 products (not tf32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BM, BN]
+        else:
+            s = tl.dot(q, tl.trans(k)) * sm_scale  # [BM, BN]
         mask = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
         if SLIDING:
             mask = mask & (offs_n[None, :] > pos[:, None] - window)
@@ -78,7 +81,7 @@ def _prefill_kernel(
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=n_valid[:, None], other=0.0)  # [BN, D]
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -137,7 +140,10 @@ def _decode_kernel(
                     mask=n_valid[:, None], other=0.0)  # [BN, D]
         if DOT_F32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BG, BN]
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BG, BN]
+        else:
+            s = tl.dot(q, tl.trans(k)) * sm_scale  # [BG, BN]
         s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -146,7 +152,7 @@ def _decode_kernel(
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=n_valid[:, None], other=0.0)
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

@@ -39,7 +39,7 @@ class EvictionMixin:
         if n <= 0 or not self.n_swa:
             return 0
         freed: list[int] = []
-        for nd in sorted((x for x in self._nodes if x.live), key=lambda x: (x.time, x.start)):
+        for nd in sorted((x for x in self._nodes if x.live and 0 in x.prot), key=lambda x: (x.time, x.start)):
             swa, locks, prot = nd.swa, nd.swa_lock, nd.prot
             for i, s in enumerate(swa):
                 if s is not None and not locks[i] and not prot[i]:
@@ -135,13 +135,26 @@ class EvictionMixin:
         stack = [(c, 0) for c in self.root.children.values()]
         while stack:
             nd, run = stack.pop()  # run: live SWA pages in a row ending just before nd
-            best, k = -1, nd.start
-            for s in nd.swa:
-                k += 1
-                run = run + 1 if s is not None else 0
-                if run >= k - max(0, k * P - W) // P:
-                    best = k
-            out[nd] = best
+            if nd.live == len(nd.swa):  # all live: the run only grows, the need is flat or grows with it
+                run += nd.live
+                k = nd.end
+                out[nd] = k if run >= k - max(0, k * P - W) // P else -1
+            else:  # along a run of live pages run - need never decreases: test each run's end
+                n = len(nd.swa)
+                mask = bytes([s is not None for s in nd.swa])
+                best, e = -1, n
+                while e > 0:
+                    z = mask.rfind(0, 0, e)  # the last hole before e
+                    if z == e - 1:
+                        e = mask.rfind(1, 0, z) + 1  # skip the holes
+                        continue
+                    k = nd.start + e
+                    if e - z - 1 + (run if z < 0 else 0) >= k - max(0, k * P - W) // P:
+                        best = k
+                        break
+                    e = z
+                run = n - mask.rfind(0) - 1
+                out[nd] = best
             stack.extend((c, run) for c in nd.children.values())
         return out
 

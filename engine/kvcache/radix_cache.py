@@ -317,7 +317,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
     def stats(self) -> dict[str, Any]:
         """Pages per pool (cached / locked / evictable), nodes, anchors, hit counters."""
         protected = tombstones = 0
-        for nd in self._nodes:
+        for nd in list(self._nodes):  # a snapshot: safe to call from another thread (approximate)
             tombstones += len(nd.swa) - nd.live
             pages = zip(nd.swa, nd.swa_lock, nd.prot)
             protected += sum(1 for s, c, q in pages if q and not c and s is not None)

@@ -19,7 +19,8 @@ _NAMES = ("auto", "torch", "triton", "offload")
 def get_moe_backend(
     name: str, cfg: ModelConfig, weights: Gemma4Weights, device: torch.device | str, cache_size: int = 0
 ) -> MoEBackend:
-    """Build the MoE backend `name`; 'auto' = triton on CUDA, torch elsewhere."""
+    """Build the MoE backend `name`; 'auto' = torch on CPU; on CUDA triton when the experts fit the
+    GPU, else offload (experts stay in host memory)."""
     device = torch.device(device)
     if name not in _NAMES:
         raise ValueError(f"unknown MoE backend {name!r} (choose {', '.join(_NAMES)})")
@@ -28,8 +29,9 @@ def get_moe_backend(
         if device.type == "cuda":
             try:
                 import engine.moe.triton_backend  # noqa: F401
+                from engine.moe.offload_backend import experts_fit
 
-                name = "triton"
+                name = "triton" if experts_fit(weights.layers, device) else "offload"
             except ImportError as e:
                 log.warning("triton MoE backend unavailable (%s); using torch", e)
     opts: dict[str, Any] = {}

@@ -52,8 +52,8 @@ def _gate_up_kernel(
             wu = load_w_tile(wb_ptr, wh_ptr, up_off, offs_k, n_mask, k_mask, FMT)
             if DOT_F32:
                 xf = x.to(tl.float32)
-                acc_g += tl.dot(xf, tl.trans(wg))
-                acc_u += tl.dot(xf, tl.trans(wu))
+                acc_g += tl.dot(xf, tl.trans(wg), input_precision="ieee")
+                acc_u += tl.dot(xf, tl.trans(wu), input_precision="ieee")
             else:
                 acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)))
                 acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)))
@@ -90,7 +90,7 @@ def _down_kernel(
                         mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
             w = load_w_tile(wb_ptr, wh_ptr, w_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
             if DOT_F32:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w))
+                acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         rw = tl.load(topw_ptr + ids, mask=valid, other=0.0).to(tl.float32)  # [BM]

@@ -67,7 +67,7 @@ def _gemm_kernel(
         x = tl.load(x_ptr + x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
         if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -133,11 +133,11 @@ def weight_views(data: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _views(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = w.__dict__.get("_triton_views")
-    if cached is None or cached[0].device != w.data.device:
-        cached = weight_views(w.data, w.qtype)
+    cached = w.__dict__.get("_triton_views")  # (source tensor, bytes, fp16 view)
+    if cached is None or cached[0] is not w.data:
+        cached = (w.data, *weight_views(w.data, w.qtype))
         w.__dict__["_triton_views"] = cached
-    return cached
+    return cached[1], cached[2]
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -128,6 +128,9 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--policy", default="lazy")
+    ap.add_argument("--policy", default=None)
+    ap.add_argument("--cache-type", default="radix")  # `swaserve serve` flags, as the bench passes them
+    ap.add_argument("--swa-retain-policy", default="lazy")
     a, _ = ap.parse_known_args()
-    uvicorn.run(build_fake_app(a.policy), host="127.0.0.1", port=a.port, log_level="warning")
+    policy = a.policy or ("naive" if a.cache_type == "naive" else a.swa_retain_policy)
+    uvicorn.run(build_fake_app(policy), host="127.0.0.1", port=a.port, log_level="warning")

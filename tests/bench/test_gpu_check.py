@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_cpu_smoke_runs_every_check(tmp_path: Path) -> None:
@@ -24,8 +30,18 @@ def test_cpu_smoke_runs_every_check(tmp_path: Path) -> None:
     res = _run("--cpu-smoke", "--out", str(out))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = out.read_text()
-    for group in ("ceiling: copy", "attn prefill", "cached", "attn decode", "q4_0 GEMV", "q4_0 GEMM",
-                  "moe fused", "offload decode (cache)", "offload prefill (stream)", "e2e decode"):
+    for group in (
+        "ceiling: copy",
+        "attn prefill",
+        "cached",
+        "attn decode",
+        "q4_0 GEMV",
+        "q4_0 GEMM",
+        "moe fused",
+        "offload decode (cache)",
+        "offload prefill (stream)",
+        "e2e decode",
+    ):
         assert group in table, f"{group!r} missing from\n{table}"
     assert "| FAIL |" not in table and "| SKIP |" not in table
 
@@ -40,8 +56,9 @@ def _nvidia_backend() -> bool:
     try:
         import triton
 
-        return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                           "ptxas"))
+        return os.path.exists(
+            os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        )
     except ImportError:
         return False
 
@@ -51,7 +68,13 @@ def test_kernels_compile_for_sm90_without_spilling_shared_memory() -> None:
     """Every kernel configuration the backends launch compiles for the H100/H200 (sm_90) and fits its
     shared memory: the GPU code path (bf16/fp16 tl.dot operand types) the interpreter cannot check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "bench.triton_aot", "--arch", "90"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.triton_aot", "--arch", "90"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "0 configuration(s) failed" in res.stdout and res.stdout.count("\nok ") >= 40, res.stdout

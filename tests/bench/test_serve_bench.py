@@ -181,6 +181,35 @@ def test_server_process_starts_waits_and_stops(tmp_path):
     assert proc.poll() is not None  # stopped on exit
 
 
+def test_run_bench_compare_starts_a_server_per_configuration(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(ServerProcess, "cmd", _FakeProcess.cmd)
+    path = tmp_path / "c.json"
+    args = _args(
+        "--workload", "fanout", *SMALL[2:12], "--compare", "--server-args", "--page-size 4",
+        "--server-log-dir", str(tmp_path), "--json", str(path),
+    )  # fmt: skip
+    assert serve_bench.run_bench(args) == 0
+    out = capsys.readouterr().out
+    assert "== fanout: comparison" in out and "outputs identical across configurations (greedy): YES" in out
+    doc = json.loads(path.read_text())
+    assert [r["config"] for r in doc["runs"]] == ["lazy", "eager16", "naive"]
+    assert doc["runs"][1]["server_args"] == [
+        "--page-size",
+        "4",
+        "--swa-retain-policy",
+        "eager",
+        "--swa-retain-budget",
+        "16",
+    ]
+    (comp,) = doc["comparisons"]
+    assert comp["ttft_focus_vs_naive"]["lazy"] < 0.5 and comp["outputs_identical"]
+    assert sorted(p.name for p in tmp_path.glob("server-*.log")) == [
+        "server-eager16.log",
+        "server-lazy.log",
+        "server-naive.log",
+    ]
+
+
 def test_server_process_that_dies_reports_its_log(tmp_path):
     srv = _FakeProcess("broken", ["--port"], 30, str(tmp_path))  # duplicate --port without a value
     with pytest.raises(RuntimeError, match="exited before becoming healthy"):

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+import engine.attention.torch_backend as tb
 from engine.attention.base import AttentionMetadata
 from engine.attention.kv_pool import KVPool
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -45,7 +46,8 @@ def _brute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
 
 
 def _run_case(page_size: int, window: int, prefixes: list[int], q_lens: list[int], seed: int,
-              kv_dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
+              kv_dtype: torch.dtype = torch.float32, tol: float = 1e-5,
+              be: TorchAttentionBackend | None = None) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     cfg = _cfg(window)
@@ -89,7 +91,7 @@ def _run_case(page_size: int, window: int, prefixes: list[int], q_lens: list[int
         full_slots=torch.cat(full_slots), swa_slots=torch.cat(swa_slots),
         full_page_table=full_pt, swa_page_table=swa_pt,
     )
-    be = TorchAttentionBackend()
+    be = be or TorchAttentionBackend()
     for kind, layer in (("sliding", 0), ("full", 1)):
         B = len(prefixes)
         q = torch.cat([qs[(kind, b)] for b in range(B)])
@@ -143,3 +145,31 @@ def test_gqa_mha_and_mqa_layouts() -> None:
         out = be.forward(layer, q, k, v, meta, pool)
         ref = _brute(q, k, v, 0, win)
         assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [5, 20])
+def test_blocked_prefill_small_blocks(page_size: int, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of 8 query rows: windows smaller and larger than a block, prefills spanning several
+    # blocks with and without a cached prefix (chunks starting mid-block and mid-page), decodes mixed in
+    monkeypatch.setattr(tb, "Q_BLOCK", 8)
+    prefixes = [0, 19, 5, 40, 3, 0]
+    q_lens = [37, 30, 1, 25, 8, 9]
+    _run_case(page_size, window=window, prefixes=prefixes, q_lens=q_lens, seed=100 + page_size + window)
+
+
+@pytest.mark.parametrize("window", [64, 300])
+def test_blocked_prefill_default_block(window: int) -> None:
+    # default block size: a 600-token chunk after a 70-token cached prefix spans three blocks
+    assert tb.Q_BLOCK < 600 // 2
+    _run_case(16, window=window, prefixes=[70, 0], q_lens=[600, 1], seed=window)
+
+
+def test_backend_reused_across_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one backend (reused gather buffers) over batches that grow, shrink and change dtype
+    monkeypatch.setattr(tb, "Q_BLOCK", 8)
+    be = TorchAttentionBackend()
+    _run_case(4, window=6, prefixes=[30, 0, 12], q_lens=[20, 33, 1], seed=7, be=be)
+    _run_case(4, window=6, prefixes=[3], q_lens=[1], seed=8, be=be)
+    _run_case(4, window=6, prefixes=[9, 0], q_lens=[1, 11], seed=9, kv_dtype=torch.bfloat16, tol=1e-4, be=be)
+    _run_case(1, window=6, prefixes=[50, 2, 0], q_lens=[17, 1, 40], seed=10, be=be)

@@ -137,18 +137,20 @@ def brute_force(case: Case, layer: int, window: int | None) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, what: str) -> None:
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, what: str,
+          tol_scale: float = 1.0) -> None:
     out = out.double().cpu()
     assert not out.isnan().any(), f"{what}: NaN in output (seed {seed})"
     err = (out - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= TOL[dtype], f"{what}: rel err {err:.2e} > {TOL[dtype]:.0e} (seed {seed})"
+    tol = TOL[dtype] * tol_scale
+    assert err <= tol, f"{what}: rel err {err:.2e} > {tol:.1e} (seed {seed})"
 
 
-def run_layers(case: Case, backend, seed: int, dtype: torch.dtype, what: str) -> None:
+def run_layers(case: Case, backend, seed: int, dtype: torch.dtype, what: str, tol_scale: float = 1.0) -> None:
     for layer, window in ((SWA, case.meta.window), (FULL, None)):
         out = backend.forward(layer, case.q[layer], case.k_new[layer], case.v_new[layer], case.meta,
                               case.pool)
-        check(out, brute_force(case, layer, window), dtype, seed, f"{what} layer {layer}")
+        check(out, brute_force(case, layer, window), dtype, seed, f"{what} layer {layer}", tol_scale)
 
 
 def mixed_lens(rng: random.Random, n: int, max_prefix: int, max_q: int, decode_frac: float):
@@ -197,7 +199,8 @@ def test_default_blocks_fp32_query_half_kv(kv_dtype: torch.dtype) -> None:
     cfg = make_cfg(4, 2, 1, 32, 64, window=24)
     case = make_case(seed, cfg, [rng.randint(70, 100), 1], [rng.randint(0, 20), 40], 16,
                      kv_dtype, q_dtype=torch.float32)
-    run_layers(case, TritonAttentionBackend(), seed, kv_dtype, "default blocks")
+    # fp32 queries are rounded to the KV dtype for the dot (the reference keeps them in fp32)
+    run_layers(case, TritonAttentionBackend(), seed, kv_dtype, "default blocks", tol_scale=3.0)
 
 
 def test_poisoned_output_fully_written() -> None:

@@ -33,6 +33,23 @@ def dump(cache: SWARadixCache) -> dict[Key, tuple[int, int | None, int, int]]:
     return out
 
 
+def check_reuse_ends(cache: SWARadixCache) -> None:
+    """The eviction's per-node deepest reuse point against a page-by-page evaluation."""
+    P, W = cache.P, cache.W
+    got = cache._reuse_ends()
+    stack: list[tuple[Any, list[Any]]] = [(cache.root, [])]  # node, SWA ids of the path before it
+    while stack:
+        nd, swa = stack.pop()
+        for ch in nd.children.values():
+            path = swa + ch.swa
+            best = -1
+            for k in range(ch.start + 1, ch.end + 1):
+                if all(path[j] is not None for j in range(max(0, k * P - W) // P, k)):
+                    best = k
+            assert got[ch] == best, f"{ch}: deepest reuse point {got[ch]}, expected {best}"
+            stack.append((ch, path))
+
+
 class CheckedCache:
     """Drives a SWARadixCache and checks every call against the brute-force reference."""
 
@@ -185,6 +202,7 @@ class CheckedCache:
         assert got >= min(n, evictable)
         if any(k in reachable for k in gone):  # dead KV (no reachable window) goes first
             assert not [k for k in after if k not in reachable and k not in locked]
+            assert sum(1 for k in before if k not in reachable and k not in locked) < n
         for k in gone:
             del self.state[k]
         self.sync_check()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.kvcache import PageAllocator, SWARadixCache
-from tests.engine.kvcache.reference import CheckedCache, Key
+from tests.engine.kvcache.reference import CheckedCache, Key, check_reuse_ends
 
 
 @dataclass
@@ -65,6 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         if hasattr(self, "cc"):
             self.cc.c.check_integrity(*self.used())
+            check_reuse_ends(self.cc.c)
 
     # ---- requests -----------------------------------------------------------------------------
     @precondition(lambda self: len(self.running) < 3)
@@ -153,10 +154,16 @@ class CacheMachine(RuleBasedStateMachine):
             r.full += full
             r.swa += swa
         r.computed = end
-        if data.draw(st.booleans()):  # drop own SWA pages that left the window instead of caching them
+        drop = data.draw(st.sampled_from(["none", "out-of-window", "random"]))
+        if drop == "out-of-window":  # drop own SWA pages that left the window instead of caching them
             stop = max(0, r.computed - self.cc.W) // self.P
             for i in range(r.tree_len // self.P, stop):
                 if r.swa[i] is not None:
+                    self.sa.free([r.swa[i]])
+                    r.swa[i] = None
+        elif drop == "random":  # any own page (holes anywhere, e.g. right before a node boundary)
+            for i in range(r.tree_len // self.P, len(r.swa)):
+                if r.swa[i] is not None and data.draw(st.integers(0, 3)) == 0:
                     self.sa.free([r.swa[i]])
                     r.swa[i] = None
         if data.draw(st.booleans()):
@@ -204,6 +211,6 @@ def _machine(P: int) -> type[CacheMachine]:
 @pytest.mark.parametrize("P", [1, 4, 16])
 def test_random_interleavings(P: int) -> None:
     machine = _machine(P)
-    machine.TestCase.settings = settings(settings.default, max_examples=120, stateful_step_count=40,
+    machine.TestCase.settings = settings(settings.default, max_examples=200, stateful_step_count=40,
                                          deadline=None, suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
