@@ -3,7 +3,8 @@
 Synchronous core (`add_request`, `step`) used by the loop thread and by the offline LLM API; an async
 `generate` for the server bridges through thread-safe queues (submissions, aborts) and, per request,
 an asyncio.Queue fed with loop.call_soon_threadsafe. Text (incremental detokenization, stop strings
-held back until decided and cut from the output) is produced here, on the loop thread.
+held back until decided and cut from the output: engine/text_stream.py) is produced here, on the loop
+thread.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineOverloaded, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
-from engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from engine.text_stream import TextStream
+from engine.tokenizer import ChatTemplate, Tokenizer
 
 log = logging.getLogger("swaserve.engine")
 
@@ -36,47 +38,6 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine")
     return dev
-
-
-class TextStream:
-    """Per-choice text: incremental detokenization plus stop strings that may span tokens. Text that
-    could still be the start of a stop string is held back; a matched stop string and everything
-    after it are cut."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], skip_special_tokens: bool):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        self.stop = [s for s in stop if s]
-        self.held = ""
-
-    def _process(self, new: str, final: bool) -> tuple[str, str | None]:
-        buf = self.held + new
-        if self.stop:
-            best = None
-            for s in self.stop:
-                i = buf.find(s)
-                if i >= 0 and (best is None or i < best[0]):
-                    best = (i, s)
-            if best is not None:
-                self.held = ""
-                return buf[:best[0]], best[1]
-        if final or not self.stop:
-            self.held = ""
-            return buf, None
-        keep = 0
-        for s in self.stop:  # longest suffix of buf that is a proper prefix of a stop string
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:k]):
-                    keep = k
-                    break
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], None
-
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """(text to emit, matched stop string or None)."""
-        return self._process(self.detok.push(token_id), final=False)
-
-    def finish(self) -> tuple[str, str | None]:
-        return self._process(self.detok.flush(), final=True)
 
 
 class _Track:
@@ -94,6 +55,8 @@ class Engine:
     """See the module docstring and notes/contracts.md (Engine)."""
 
     def __init__(self, cfg: EngineConfig, progress: bool = True):
+        # One INFO line per finished request; the server logs its own line and turns this off.
+        self.log_requests = True
         from engine.attention.base import get_attention_backend
         from engine.attention.kv_pool import KVPool
         from engine.kvcache import PageAllocator, SWARadixCache
@@ -291,7 +254,8 @@ class Engine:
         r0 = choices[0]
         end = max(c.finish_time or 0.0 for c in choices)
         ttft = (r0.first_token_time - r0.arrival_time) if r0.first_token_time is not None else float("nan")
-        log.debug("request %s: prompt %d tokens, cached %d, completion %d, ttft %.3fs, total %.3fs, "
+        emit = log.info if self.log_requests else log.debug
+        emit("request %s: prompt %d tokens, cached %d, completion %d, ttft %.3fs, total %.3fs, "
                   "finish %s", r0.request_id, r0.prompt_len, r0.cached_tokens or 0,
                   sum(c.output_len for c in choices), ttft, end - r0.arrival_time,
                   ",".join(str(c.finish_reason) for c in choices))

@@ -42,6 +42,8 @@ class ServerState:
         self._special: SpecialText | None = None
         self._thread: threading.Thread | None = None
         self.owns_engine = engine is None
+        if engine is not None:
+            engine.log_requests = False  # the server writes the one INFO line per request
 
     # --- loading -------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -55,6 +57,7 @@ class ServerState:
         try:
             t0 = time.perf_counter()
             engine = self.loader()
+            engine.log_requests = False
             engine.start()
             self.engine = engine
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",

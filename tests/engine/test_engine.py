@@ -208,7 +208,7 @@ def test_n_choices_logprobs_and_stats(radix, prompts):
 
 
 def test_text_stream_holds_back_and_cuts(radix):
-    from engine.engine import TextStream
+    from engine.text_stream import TextStream
 
     tok = radix.tokenizer
     text = "hello world, this is the end of it"

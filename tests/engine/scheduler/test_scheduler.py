@@ -252,7 +252,7 @@ def test_random_workloads(kind, policy):
                 exp[r.rid] = expected(prompt, mt)
         doomed = {f"r{i}" for i in rng.sample(range(14), 3)}
 
-        def on_step(step, doomed=doomed, rng=rng):
+        def on_step(step, doomed=doomed, sched=sched):
             if step in (2, 5, 9):
                 for d in list(doomed)[: step % 3 + 1]:
                     sched.abort(d)
