@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-cache-size", type=_nonneg_int("--moe-cache-size"), default=0,
                    help="experts kept on the GPU by the offload backend (0 = size from free memory)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without a seed")
+    g.add_argument("--cpu-threads", type=_positive_int("--cpu-threads"), default=None,
+                   help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
+                        "to the HTTP server)")
     c = p.add_argument_group("KV cache")
     c.add_argument("--cache-type", choices=["radix", "naive"], default="radix",
                    help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
@@ -123,5 +126,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         moe_backend=args.moe_backend,
         moe_cache_size=args.moe_cache_size,
         device=args.device,
+        cpu_threads=args.cpu_threads,
         seed=args.seed,
     )

@@ -89,4 +89,5 @@ class EngineConfig:
     moe_backend: Literal["auto", "torch", "triton", "offload"] = "auto"
     moe_cache_size: int = 0  # experts kept on the GPU by the offload backend (0 = auto)
     device: str = "auto"  # "auto" = cuda when available else cpu
+    cpu_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default (all cores)
     seed: int = 0

@@ -67,6 +67,8 @@ class Engine:
 
         self.config = cfg
         self.device = resolve_device(cfg.device)
+        if cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide intra-op pool
         path = cfg.model_path
         if path is None:
             from models.tiny import demo_model_path

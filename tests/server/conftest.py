@@ -3,6 +3,7 @@ in front of the REAL Engine on the tiny demo model, driven with the official ope
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -71,7 +72,9 @@ def serve_args(*extra: str) -> Any:
 def make_engine(*extra: str) -> Any:
     from engine.engine import Engine
 
-    eng = Engine(engine_config_from_args(serve_args(*extra)), progress=False)
+    # as `swaserve serve` does: one core left to the HTTP thread (see server/launch.py)
+    threads = str(max(1, (os.cpu_count() or 1) - 1))
+    eng = Engine(engine_config_from_args(serve_args("--cpu-threads", threads, *extra)), progress=False)
     eng.start()
     return eng
 
