@@ -5,25 +5,16 @@ over the OpenAI HTTP API, against a running server (--url) or servers it starts,
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import contextlib
 import logging
 import os
-import random
 import shlex
 import sys
 
-import httpx
-
-from bench import workloads as W
-from bench.serve_client import RunConfig, chat_request, count_tokens, model_id, run_workload, tokenize_chat
-from bench.serve_compare import DEFAULT_CONFIGS, ServerProcess, comparison, parse_config
-from bench.serve_stats import RequestResult, format_summary, summarize, sweep_rows
-
-log = logging.getLogger(__name__)
+from bench.serve_compare import DEFAULT_CONFIGS, ServerProcess, parse_config
+from bench.serve_runner import BenchRunner
 
 WORKLOADS = ("fanout", "append", "sweep", "random")
-DEFAULT_TOKENS_PER_WORD = 1.3
 
 
 def _int_list(s: str) -> list[int]:
@@ -50,6 +41,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--compare",
         action="store_true",
         help="start one server per configuration (default: lazy, eager16, naive) and compare",
+    )
+    t.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start all servers at once and send each session to every one in turn (one request at a "
+        "time), so load from elsewhere on the machine affects every configuration alike",
     )
     t.add_argument(
         "--config",
@@ -159,6 +156,13 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise ValueError("give --model or --model-preset, not both")
     if args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if args.interleave and (
+        args.url or args.max_concurrency not in (None, 1) or args.request_rate != float("inf")
+    ):
+        raise ValueError(
+            "--interleave starts its servers and sends one request at a time (no --url, "
+            "--max-concurrency or --request-rate)"
+        )
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.tokens_per_word is not None and args.tokens_per_word <= 0:
@@ -168,220 +172,22 @@ def _validate(args: argparse.Namespace) -> list[str]:
     return names
 
 
-async def _calibrate(url: str, model: str, headers: dict, seed: int) -> tuple[float, float] | None:
-    """Tokens per word of the random vocabulary and of the seed's filler, from POST /tokenize."""
-    words = W.random_text(random.Random(seed), 2000, 1.0)
-    filler = W.SEED_FILLER * 20
-    async with httpx.AsyncClient(timeout=60.0) as c:
-        a = await count_tokens(c, url, model, words, headers)
-        b = await count_tokens(c, url, model, filler, headers)
-    if not a or not b:
-        return None
-    return a / len(words.split()), b / len(filler.split())
-
-
-async def _divergence(url: str, model: str, headers: dict, wl: W.Workload) -> dict[int, int]:
-    """Per sweep N: tokens between the common prefix of the two rendered prompts and the first's end."""
-    by_n: dict[int, list[list[dict]]] = {}
-    for ph in wl.phases:
-        for s in ph.sessions:
-            by_n.setdefault(wl.sweep_n[s.key], []).append(
-                [{"role": "system", "content": s.system}, {"role": "user", "content": s.turns[0].user}]
-            )
-    out = {}
-    async with httpx.AsyncClient(timeout=60.0) as c:
-        for n, (ma, mb) in by_n.items():
-            a = await tokenize_chat(c, url, model, ma, headers)
-            b = await tokenize_chat(c, url, model, mb, headers)
-            if a is None or b is None:
-                return {}
-            common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            out[n] = len(a) - common
-    return out
-
-
-async def _model_name(url: str, headers: dict) -> str:
-    async with httpx.AsyncClient(timeout=30.0) as c:
-        return await model_id(c, url, headers)
-
-
-def build_workloads(
-    args: argparse.Namespace, names: list[str], tpw: float, tpw_filler: float
-) -> list[W.Workload]:
-    out = []
-    for n in names:
-        if n == "fanout":
-            out.append(
-                W.fanout(
-                    args.num_groups,
-                    args.prompts_per_group,
-                    args.system_prompt_len,
-                    args.question_len,
-                    args.output_len,
-                    tpw,
-                    args.seed,
-                )
-            )
-        elif n == "append":
-            out.append(
-                W.multi_turn(
-                    args.num_sessions,
-                    args.num_turns,
-                    args.system_prompt_len,
-                    args.question_len,
-                    args.output_len,
-                    tpw,
-                    args.seed,
-                )
-            )
-        elif n == "sweep":
-            out.append(
-                W.divergence_sweep(args.sweep_n, args.sweep_prefix_len, args.sweep_output_len, tpw_filler)
-            )
-        else:
-            out.append(
-                W.random_prompts(
-                    args.num_prompts,
-                    args.random_input_len,
-                    args.random_output_len,
-                    args.random_range_ratio,
-                    tpw,
-                    args.seed,
-                )
-            )
-    return out
-
-
-class _Bench:
-    """Runs every workload against one server at a time and collects the records."""
-
-    def __init__(self, args: argparse.Namespace, names: list[str]):
-        self.args, self.names = args, names
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        self.workloads: list[W.Workload] | None = None
-        self.runs: list[dict] = []
-        self.tpw: tuple[float, float] | None = None
-        self.divergence: dict[int, int] = {}  # sweep N -> tokens before the 1st prompt's end (from /tokenize)
-
-    def run_against(self, config: str, url: str, server_argv: list[str] | None) -> None:
-        a = self.args
-        model = a.served_model_name or asyncio.run(_model_name(url, self.headers))
-        if self.workloads is None:  # built once, from the first server, so every configuration gets the same
-            if a.tokens_per_word is not None:
-                self.tpw = (a.tokens_per_word, a.tokens_per_word)
-            else:
-                self.tpw = asyncio.run(_calibrate(url, model, self.headers, a.seed))
-                if self.tpw is None:
-                    log.warning(
-                        "POST /tokenize unavailable: assuming %.2f tokens per word", DEFAULT_TOKENS_PER_WORD
-                    )
-                    self.tpw = (DEFAULT_TOKENS_PER_WORD, DEFAULT_TOKENS_PER_WORD)
-            self.workloads = build_workloads(a, self.names, *self.tpw)
-            for wl in self.workloads:
-                if wl.sweep_n:
-                    self.divergence = asyncio.run(_divergence(url, model, self.headers, wl))
-        extra = {"chat_template_kwargs": {"enable_thinking": True}} if a.enable_thinking else {}
-        rc = RunConfig(
-            url,
-            model,
-            temperature=a.temperature,
-            ignore_eos=a.ignore_eos,
-            request_rate=a.request_rate,
-            max_concurrency=a.max_concurrency,
-            seed=a.seed,
-            api_key=a.api_key,
-            timeout=a.timeout,
-            extra_body=extra,
-        )
-        if a.warmup_requests:
-            asyncio.run(self._warmup(rc))
-        for wl in self.workloads:
-            results, duration = asyncio.run(run_workload(wl, rc))
-            s = summarize(results, duration)
-            sweep = sweep_rows(results, wl.sweep_n, self.divergence) if wl.sweep_n else None
-            print(format_summary(f"{wl.name} [{config}] {wl.num_requests} requests", s, sweep), flush=True)
-            print(flush=True)
-            self.runs.append(
-                {
-                    "config": config,
-                    "url": url,
-                    "server_args": server_argv,
-                    "workload": wl.name,
-                    "params": wl.params,
-                    "focus_tag": wl.focus_tag,
-                    "summary": s,
-                    "sweep": sweep,
-                    "results": results,
-                    "sweep_n": wl.sweep_n,
-                }
-            )
-
-    async def _warmup(self, rc: RunConfig) -> None:
-        rng = random.Random(-1)
-        async with httpx.AsyncClient(timeout=rc.timeout) as c:
-            for i in range(self.args.warmup_requests):
-                msgs = [{"role": "user", "content": f"Warmup {i}. " + W.random_text(rng, 64, 1.3)}]
-                res = await chat_request(c, rc, msgs, 4, RequestResult("warmup", i, "warmup"))
-                if not res.ok:
-                    log.warning("warmup request failed: %s", res.error)
-
-    def compare(self) -> list[dict]:
-        out = []
-        for wl in self.workloads or []:
-            mine = [r for r in self.runs if r["workload"] == wl.name]
-            if len(mine) < 2:
-                continue
-            text, data = comparison(
-                wl.name,
-                wl.focus_tag,
-                {r["config"]: r["summary"] for r in mine},
-                {r["config"]: r["results"] for r in mine},
-                wl.sweep_n,
-                self.divergence,
-            )
-            print(text, flush=True)
-            print(flush=True)
-            out.append({"workload": wl.name, **data})
-        return out
-
-    def dump(self, path: str, comparisons: list[dict]) -> None:
-        a = vars(self.args).copy()
-        a.pop("func", None)
-        doc = {
-            "args": {
-                k: (v if not isinstance(v, float) or v != float("inf") else "inf") for k, v in a.items()
-            },
-            "tokens_per_word": self.tpw,
-            "runs": [
-                {
-                    **{k: v for k, v in r.items() if k not in ("results", "sweep_n")},
-                    "requests": [x.to_json() for x in r["results"]],
-                }
-                for r in self.runs
-            ],
-            "comparisons": comparisons,
-        }
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {path}")
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of `swaserve bench serve`; ValueError for bad flags (cli.py prints one line)."""
     names = _validate(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    bench = _Bench(args, names)
+    bench = BenchRunner(args, names)
     if args.url:
         bench.run_against("server", args.url.rstrip("/"), None)
         if args.json:
             bench.dump(args.json, [])
         return 0 if all(r["summary"]["failed"] == 0 for r in bench.runs) else 1
-    if args.compare and args.temperature != 0:
+    if (args.compare or args.interleave) and args.temperature != 0:
         raise ValueError("--compare checks outputs under greedy decoding: use --temperature 0")
     configs = (
         [parse_config(c) for c in args.config]
         if args.config
-        else (DEFAULT_CONFIGS if args.compare else DEFAULT_CONFIGS[:1])
+        else (DEFAULT_CONFIGS if args.compare or args.interleave else DEFAULT_CONFIGS[:1])
     )
     if len({c[0] for c in configs}) != len(configs):
         raise ValueError("--config names must be distinct")
@@ -393,7 +199,18 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {args.model}: no such file")
         base = ["--model", args.model, *base]
     rc = 0
-    for name, flags in configs:
+    if args.interleave:
+        try:
+            with contextlib.ExitStack() as stack:
+                start = [
+                    ServerProcess(n, base + f, args.server_timeout, args.server_log_dir) for n, f in configs
+                ]
+                srvs = [stack.enter_context(srv) for srv in start]
+                bench.run_interleaved([(s.name, s.url, s.argv) for s in srvs])
+        except RuntimeError as e:
+            print(f"swaserve bench: {e}", file=sys.stderr)
+            rc = 1
+    for name, flags in [] if args.interleave else configs:
         try:
             with ServerProcess(name, base + flags, args.server_timeout, args.server_log_dir) as srv:
                 bench.run_against(name, srv.url, srv.argv)

@@ -168,6 +168,32 @@ async def run_workload(
     return results, time.perf_counter() - t0
 
 
+async def run_interleaved(
+    wl: Workload, rcs: dict[str, RunConfig], client: httpx.AsyncClient | None = None
+) -> dict[str, tuple[list[RequestResult], float]]:
+    """Run the workload on several servers, one session at a time, each session on every server in turn.
+
+    Returns per server its results and its busy time (the sum of its sessions' wall times).
+    """
+    own = client is None
+    if own:
+        client = httpx.AsyncClient(timeout=max(rc.timeout for rc in rcs.values()))
+    out: dict[str, tuple[list[RequestResult], float]] = {name: ([], 0.0) for name in rcs}
+    try:
+        for phase in wl.phases:
+            for s in phase.sessions:
+                for name, rc in rcs.items():
+                    t0 = time.perf_counter()
+                    res = await run_session(client, rc, s, None, 0.0)
+                    results, busy = out[name]
+                    results.extend(res)
+                    out[name] = (results, busy + time.perf_counter() - t0)
+    finally:
+        if own:
+            await client.aclose()
+    return out
+
+
 async def model_id(client: httpx.AsyncClient, base_url: str, headers: dict | None = None) -> str:
     """The first model id of GET /v1/models."""
     r = await client.get(f"{base_url}/v1/models", headers=headers or {})

@@ -1,15 +1,22 @@
-"""Helpers shared by the completion routes: sampling params, usage, logprobs, per-request log + metrics."""
+"""Helpers shared by the completion routes: sampling params, usage, logprobs, per-request log + metrics,
+JSON / SSE responses."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
 from engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
-from server.errors import APIError, bad_request, from_exception
+from server.errors import APIError, bad_request, from_exception, sse_error
 from server.protocol import _SamplingFields
+from server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -165,3 +172,96 @@ class RequestTracker:
         self.done = True
         logger.info("%s: client disconnected after %.3fs; request aborted", self.rid,
                     time.perf_counter() - self.t0)
+
+
+async def tracked(state: ServerState, rid: str,
+                  handle: Callable[[RequestTracker], Awaitable[Response]]) -> Response:
+    """Run a route body with a RequestTracker: 499 when the client went away, failures logged."""
+    tracker = RequestTracker(state, rid)
+    try:
+        return await handle(tracker)
+    except ClientDisconnected:
+        tracker.disconnected()
+        return Response(status_code=499)
+    except Exception as e:
+        tracker.fail(e)
+        raise
+
+
+class RouteCtx(ABC):
+    """Accumulates one completion request's outputs; answers as JSON or as an SSE stream."""
+
+    chunk_object = "?"
+
+    def __init__(self, state: ServerState, req: Any, rid: str, model: str, tracker: RequestTracker):
+        self.state, self.req, self.rid, self.model, self.tracker = state, req, rid, model, tracker
+        self.created = int(time.time())
+
+    @abstractmethod
+    def collect(self, item: tuple[int, RequestOutput]) -> None:
+        """Feed one (prompt index, output) of a non-streamed request."""
+
+    @abstractmethod
+    def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
+        """Feed one (prompt index, output) of a streamed request; the chunk choice to send, if any."""
+
+    def head_choices(self) -> list[dict[str, Any]]:
+        return []
+
+    @abstractmethod
+    def usage(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def log_finish(self) -> None: ...
+
+    @abstractmethod
+    def final_body(self) -> dict[str, Any]: ...
+
+    def include_usage(self) -> bool:
+        return self.req.stream_options is not None and bool(self.req.stream_options.include_usage)
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.rid, "object": self.chunk_object, "created": self.created,
+                             "model": self.model, "choices": choices}
+        if self.include_usage():
+            d["usage"] = usage
+        return d
+
+    async def respond(self, stream: OutputStream, request: Request) -> Response:
+        """JSON body after the last output, or an SSE stream once the first output is in."""
+        poll = self.state.cfg.disconnect_poll_s
+        if not self.req.stream:
+            try:
+                while (item := await stream.next(request, poll)) is not None:
+                    self.collect(item)
+            finally:
+                stream.close()
+            return JSONResponse(self.final_body())
+        try:
+            first = await stream.next(request, poll)
+        except BaseException:
+            stream.close()
+            raise
+        return SSEResponse(self._events(stream, first))
+
+    async def _events(self, stream: OutputStream,
+                      first: tuple[int, RequestOutput] | None) -> AsyncIterator[str]:
+        try:
+            for choice in self.head_choices():
+                yield sse(self.chunk([choice]))
+            item = first
+            while item is not None:
+                choice = self.stream_choice(item)
+                if choice is not None:
+                    yield sse(self.chunk([choice]))
+                item = await stream.next()
+            if self.include_usage():
+                yield sse(self.chunk([], self.usage()))
+            self.log_finish()
+            yield SSE_DONE
+        except Exception as e:
+            self.tracker.fail(e)
+            yield sse_error(e)
+        finally:  # also on cancellation / aclose when the client went away
+            stream.close()
+            self.tracker.disconnected()

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.core import RequestOutput
-from server.common import RequestTracker, TokenText, build_params, chat_logprobs, usage_dict
-from server.errors import bad_request, sse_error
+from server.common import (
+    RequestTracker,
+    RouteCtx,
+    TokenText,
+    build_params,
+    chat_logprobs,
+    tracked,
+    usage_dict,
+)
+from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.reasoning import ChatOutputParser, ParsedDelta
 from server.state import ServerState
-from server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
+from server.streaming import OutputStream
 from server.tool_parser import CALL_OPEN
 
 router = APIRouter()
@@ -104,15 +110,7 @@ class _Choice:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = RequestTracker(state, rid)
-    try:
-        return await _chat(state, body, request, rid, tracker)
-    except ClientDisconnected:
-        tracker.disconnected()
-        return Response(status_code=499)
-    except Exception as e:
-        tracker.fail(e)
-        raise
+    return await tracked(state, rid, lambda tracker: _chat(state, body, request, rid, tracker))
 
 
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request, rid: str,
@@ -155,29 +153,18 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     gen = engine.generate(rid, prompt_ids, params, anchors=list(prompt.message_starts))
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choices, token_text, k or 0, tracker)
-    if not req.stream:
-        try:
-            while (item := await stream.next(request, state.cfg.disconnect_poll_s)) is not None:
-                ctx.apply(item[1])
-        finally:
-            stream.close()
-        return JSONResponse(ctx.final_body())
-    try:
-        first = await stream.next(request, state.cfg.disconnect_poll_s)
-    except BaseException:
-        stream.close()
-        raise
-    return SSEResponse(_sse_chat(ctx, stream, first))
+    return await ctx.respond(stream, request)
 
 
-class _Ctx:
+class _Ctx(RouteCtx):
     """Accumulates one chat request's outputs (both modes)."""
+
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, rid: str, model: str,
                  choices: dict[int, _Choice], token_text: TokenText, k: int, tracker: RequestTracker):
-        self.state, self.req, self.rid, self.model = state, req, rid, model
-        self.choices, self.token_text, self.k, self.tracker = choices, token_text, k, tracker
-        self.created = int(time.time())
+        super().__init__(state, req, rid, model, tracker)
+        self.choices, self.token_text, self.k = choices, token_text, k
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None
 
@@ -228,48 +215,28 @@ class _Ctx:
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": out_choices, "usage": self.usage()}
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                             "model": self.model, "choices": choices}
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            d["usage"] = usage
-        return d
+    def collect(self, item: tuple[int, RequestOutput]) -> None:
+        self.apply(item[1])
 
+    def head_choices(self) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in sorted(self.choices)]
 
-async def _sse_chat(ctx: _Ctx, stream: OutputStream,
-                    first: tuple[int, RequestOutput] | None) -> AsyncIterator[str]:
-    try:
-        for i in sorted(ctx.choices):
-            yield sse(ctx.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}]))
-        item = first
-        while item is not None:
-            out = item[1]
-            delta, lps = ctx.apply(out)
-            c = ctx.choices[out.index]
-            d: dict[str, Any] = {}
-            if delta.reasoning:
-                d["reasoning_content"] = delta.reasoning
-            if delta.content:
-                d["content"] = delta.content
-            if delta.tool_calls:
-                d["tool_calls"] = []
-                for tc in delta.tool_calls:
-                    d["tool_calls"].append(tc.to_openai(index=c.tool_index))
-                    c.tool_index += 1
-            if d or lps or out.finished:
-                ctx_choice = {"index": out.index, "delta": d,
-                              "logprobs": {"content": lps} if ctx.req.logprobs else None,
-                              "finish_reason": c.reason(c.finish_reason) if out.finished else None}
-                yield sse(ctx.chunk([ctx_choice]))
-            item = await stream.next()
-        if ctx.req.stream_options is not None and ctx.req.stream_options.include_usage:
-            yield sse(ctx.chunk([], ctx.usage()))
-        ctx.log_finish()
-        yield SSE_DONE
-    except Exception as e:
-        ctx.tracker.fail(e)
-        yield sse_error(e)
-    finally:  # also on cancellation / aclose when the client went away
-        stream.close()
-        ctx.tracker.disconnected()
+    def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
+        out = item[1]
+        delta, lps = self.apply(out)
+        c = self.choices[out.index]
+        d: dict[str, Any] = {}
+        if delta.reasoning:
+            d["reasoning_content"] = delta.reasoning
+        if delta.content:
+            d["content"] = delta.content
+        if delta.tool_calls:
+            d["tool_calls"] = []
+            for tc in delta.tool_calls:
+                d["tool_calls"].append(tc.to_openai(index=c.tool_index))
+                c.tool_index += 1
+        if not (d or lps or out.finished):
+            return None
+        return {"index": out.index, "delta": d, "logprobs": {"content": lps} if self.req.logprobs else None,
+                "finish_reason": c.reason(c.finish_reason) if out.finished else None}

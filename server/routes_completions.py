@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.core import RequestOutput
-from server.common import RequestTracker, TokenText, build_params, completion_logprobs, usage_dict
-from server.errors import bad_request, sse_error
+from server.common import (
+    RequestTracker,
+    RouteCtx,
+    TokenText,
+    build_params,
+    completion_logprobs,
+    tracked,
+    usage_dict,
+)
+from server.errors import bad_request
 from server.protocol import CompletionRequest
 from server.state import ServerState
-from server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
+from server.streaming import OutputStream
 
 router = APIRouter()
 
@@ -66,15 +72,7 @@ class _Choice:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"cmpl-{uuid.uuid4().hex}"
-    tracker = RequestTracker(state, rid)
-    try:
-        return await _complete(state, body, request, rid, tracker)
-    except ClientDisconnected:
-        tracker.disconnected()
-        return Response(status_code=499)
-    except Exception as e:
-        tracker.fail(e)
-        raise
+    return await tracked(state, rid, lambda tracker: _complete(state, body, request, rid, tracker))
 
 
 async def _complete(state: ServerState, req: CompletionRequest, request: Request, rid: str,
@@ -98,27 +96,16 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
         gens.append((sub, engine.generate(sub, ids, params)))
     stream = OutputStream(engine, gens)
     ctx = _Ctx(state, req, rid, model, prompts, TokenText(engine.tokenizer), tracker)
-    if not req.stream:
-        try:
-            while (item := await stream.next(request, state.cfg.disconnect_poll_s)) is not None:
-                ctx.apply(*item)
-        finally:
-            stream.close()
-        return JSONResponse(ctx.final_body())
-    try:
-        first = await stream.next(request, state.cfg.disconnect_poll_s)
-    except BaseException:
-        stream.close()
-        raise
-    return SSEResponse(_sse_completions(ctx, stream, first))
+    return await ctx.respond(stream, request)
 
 
-class _Ctx:
+class _Ctx(RouteCtx):
+    chunk_object = "text_completion"
+
     def __init__(self, state: ServerState, req: CompletionRequest, rid: str, model: str,
                  prompts: list[tuple[list[int], str]], token_text: TokenText, tracker: RequestTracker):
-        self.state, self.req, self.rid, self.model = state, req, rid, model
-        self.prompts, self.token_text, self.tracker = prompts, token_text, tracker
-        self.created = int(time.time())
+        super().__init__(state, req, rid, model, tracker)
+        self.prompts, self.token_text = prompts, token_text
         self.choices: dict[int, _Choice] = {}
         for p, (ids, text) in enumerate(prompts):
             for j in range(req.n):
@@ -180,32 +167,13 @@ class _Ctx:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": out, "usage": self.usage()}
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.rid, "object": "text_completion", "created": self.created,
-                             "model": self.model, "choices": choices}
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            d["usage"] = usage
-        return d
+    def collect(self, item: tuple[int, RequestOutput]) -> None:
+        self.apply(*item)
 
-
-async def _sse_completions(ctx: _Ctx, stream: OutputStream,
-                           first: tuple[int, RequestOutput] | None) -> AsyncIterator[str]:
-    try:
-        item = first
-        while item is not None:
-            p, out = item
-            idx, text, lps = ctx.apply(p, out)
-            if text or lps or out.finished:
-                yield sse(ctx.chunk([{"index": idx, "text": text, "logprobs": lps,
-                                      "finish_reason": out.finish_reason if out.finished else None}]))
-            item = await stream.next()
-        if ctx.req.stream_options is not None and ctx.req.stream_options.include_usage:
-            yield sse(ctx.chunk([], ctx.usage()))
-        ctx.log_finish()
-        yield SSE_DONE
-    except Exception as e:
-        ctx.tracker.fail(e)
-        yield sse_error(e)
-    finally:
-        stream.close()
-        ctx.tracker.disconnected()
+    def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
+        p, out = item
+        idx, text, lps = self.apply(p, out)
+        if not (text or lps or out.finished):
+            return None
+        return {"index": idx, "text": text, "logprobs": lps,
+                "finish_reason": out.finish_reason if out.finished else None}

@@ -75,6 +75,22 @@ class AttentionBackend(ABC):
         ...
 
 
+def write_kv(
+    layer: int,
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    meta: AttentionMetadata,
+    pool: KVPool,
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Write the new tokens' K/V into their slots; returns (sliding, K cache, V cache) ([S, KVH, D])."""
+    sliding = pool.layer_kind(layer) == "sliding"
+    k_cache, v_cache = pool.kv(layer)  # [S, KVH, D]
+    slots = (meta.swa_slots if sliding else meta.full_slots).to(k_cache.device)  # [T]
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    return sliding, k_cache, v_cache
+
+
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Registry with lazy imports. 'auto' = triton on CUDA, torch elsewhere."""
     if name == "auto":

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from engine.attention.kv_pool import KVPool
 
 Q_BLOCK = 256  # query rows per prefill block
@@ -148,12 +148,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
-        sliding = pool.layer_kind(layer) == "sliding"
-        K, V = pool.kv(layer)  # [slots, KVH, D]
-        slots = meta.swa_slots if sliding else meta.full_slots  # [T]
-        slots = slots.to(K.device)
-        K.index_copy_(0, slots, k.to(K.dtype))
-        V.index_copy_(0, slots, v.to(V.dtype))
+        sliding, K, V = write_kv(layer, k, v, meta, pool)  # [slots, KVH, D]
 
         T, H, D = q.shape
         KVH = k.shape[1]

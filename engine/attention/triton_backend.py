@@ -11,7 +11,7 @@ import torch
 import triton
 
 from engine.attention import triton_kernels as K
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from engine.attention.kv_pool import KVPool
 from engine.quant.triton_q4 import check_triton_device
 from engine.quant.triton_q4 import dot_f32 as use_dot_f32
@@ -97,11 +97,7 @@ class TritonAttentionBackend(AttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
         check_triton_device(q.device, "the triton attention backend")
-        sliding = pool.layer_kind(layer) == "sliding"
-        k_cache, v_cache = pool.kv(layer)  # [S, KVH, D]
-        slots = (meta.swa_slots if sliding else meta.full_slots).to(k_cache.device)  # [T]
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        sliding, k_cache, v_cache = write_kv(layer, k, v, meta, pool)  # [S, KVH, D]
         page_table = meta.swa_page_table if sliding else meta.full_page_table  # [B, MP]
         return self.attend(q, k_cache, v_cache, page_table, meta, sliding)
 

@@ -127,8 +127,8 @@ def gguf_tensors(model: Gemma4ForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-# LayerWeights field -> GGUF name suffix
-_FIELDS = {
+# LayerWeights field -> GGUF name (blk.N. prefix); the loader must map each one to its own tensor
+LAYER_FIELDS = {
     "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
     "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight", "post_attention_norm": "post_attention_norm.weight",
@@ -155,7 +155,7 @@ def load_weights_into_hf(model: Gemma4ForCausalLM, w: Gemma4Weights) -> None:
         put("model.embed_tokens.weight", dequantize(w.embed))
         put("model.norm.weight", w.final_norm)
         for i, lw in enumerate(w.layers):
-            for field, gname in _FIELDS.items():
+            for field, gname in LAYER_FIELDS.items():
                 val = getattr(lw, field)
                 if val is None:
                     continue

@@ -18,20 +18,7 @@ from models import tiny_writer
 from models.demo_tokenizer import demo_tokenizer_metadata
 from models.gguf_loader import GGUFError, load_gguf, read_metadata
 from models.tiny import RawTensor, preset_config, random_tensors, write_gguf
-
-# LayerWeights field -> GGUF name (blk.N. prefix); the loader must map each one to its own tensor
-LAYER_FIELDS = {
-    "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
-    "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_norm": "attn_q_norm.weight",
-    "k_norm": "attn_k_norm.weight", "post_attention_norm": "post_attention_norm.weight",
-    "ffn_norm": "ffn_norm.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
-    "down_proj": "ffn_down.weight", "post_ffw_norm_1": "post_ffw_norm_1.weight",
-    "router": "ffn_gate_inp.weight", "router_scale": "ffn_gate_inp.scale",
-    "pre_ffw_norm_2": "pre_ffw_norm_2.weight", "experts_gate_up": "ffn_gate_up_exps.weight",
-    "experts_down": "ffn_down_exps.weight", "per_expert_scale": "ffn_down_exps.scale",
-    "post_ffw_norm_2": "post_ffw_norm_2.weight", "post_ffw_norm": "post_ffw_norm.weight",
-    "layer_scalar": "layer_output_scale.weight",
-}
+from tests.models.hf_oracle import LAYER_FIELDS
 
 
 @pytest.fixture(scope="module")
