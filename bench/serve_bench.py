@@ -46,7 +46,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--interleave",
         action="store_true",
         help="start all servers at once and send each session to every one in turn (one request at a "
-        "time), so load from elsewhere on the machine affects every configuration alike",
+        "time), so load from elsewhere on the machine affects every configuration alike; implies --compare",
     )
     t.add_argument(
         "--config",

@@ -10,6 +10,7 @@ import pytest
 
 from bench import serve_bench
 from bench.serve_compare import ServerProcess, outputs_identical, parse_config
+from bench.serve_runner import BenchRunner
 from bench.serve_stats import RequestResult
 
 
@@ -47,7 +48,7 @@ SMALL = (
 
 def test_compare_against_fake_servers(fake_servers, capsys, tmp_path):
     args = _args(*SMALL, "--max-concurrency", "1")
-    bench = serve_bench._Bench(args, serve_bench._validate(args))
+    bench = BenchRunner(args, serve_bench._validate(args))
     for name in ("lazy", "eager", "naive"):
         bench.run_against(name if name != "eager" else "eager16", fake_servers[name].url, [])
     comps = {c["workload"]: c for c in bench.compare()}
@@ -113,6 +114,23 @@ def test_run_bench_url_mode(fake_servers, tmp_path, capsys):
     assert "== random [server] 6 requests ==" in capsys.readouterr().out
 
 
+def test_interleaved_runs_each_session_on_every_server(fake_servers):
+    args = _args("--workload", "fanout,append", *SMALL[2:8], "--num-sessions", "2", "--num-turns", "2")
+    bench = BenchRunner(args, serve_bench._validate(args))
+    servers = [("lazy", fake_servers["lazy"].url, []), ("naive", fake_servers["naive"].url, [])]
+    recv = {n: fake_servers[n].app.state.received for n in ("lazy", "naive")}
+    before = {n: len(r) for n, r in recv.items()}
+    bench.run_interleaved(servers)
+    comps = {c["workload"]: c for c in bench.compare()}
+    assert comps["fanout"]["outputs_identical"] and comps["append"]["outputs_identical"]
+    assert comps["fanout"]["ttft_focus_vs_naive"]["lazy"] < 0.5
+    sent = {n: [b["messages"][-1]["content"] for b in r[before[n] :]] for n, r in recv.items()}
+    assert sent["lazy"] == sent["naive"] and len(sent["lazy"]) == 1 + 6 + 4  # warmup, fanout, 2 x 2 turns
+    runs = [(r["config"], r["workload"]) for r in bench.runs]
+    assert runs == [("lazy", "fanout"), ("naive", "fanout"), ("lazy", "append"), ("naive", "append")]
+    assert all(0 < r["summary"]["duration_s"] for r in bench.runs)
+
+
 def test_failed_requests_give_nonzero_exit(fake_servers):
     args = _args(
         "--url",
@@ -137,6 +155,8 @@ def test_failed_requests_give_nonzero_exit(fake_servers):
         ("--url", "http://x", "--model", "m.gguf"),
         ("--max-concurrency", "0"),
         ("--compare", "--temperature", "0.5"),
+        ("--interleave", "--max-concurrency", "4"),
+        ("--interleave", "--url", "http://x"),
         ("--config", "a=", "--config", "a=--page-size 4"),
     ],
 )
