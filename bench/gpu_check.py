@@ -164,24 +164,8 @@ def _attn_setup(c: Ctx, S, q_lens: list[int], prefix_lens: list[int]):
     torch = c.torch
     from engine.attention.base import AttentionMetadata
     from engine.attention.kv_pool import KVPool
-    from engine.config import ModelConfig
 
-    cfg = ModelConfig(
-        vocab_size=32,
-        hidden_size=S.hidden,
-        num_layers=2,
-        num_heads=S.H,
-        layer_types=("sliding", "full"),
-        head_dim_swa=S.d[0],
-        head_dim_full=S.d[1],
-        num_kv_heads_swa=S.kvh[0],
-        num_kv_heads_full=S.kvh[1],
-        sliding_window=S.window,
-        intermediate_size=S.inter,
-        moe_intermediate_size=S.e_inter,
-        num_experts=S.experts,
-        top_k_experts=S.topk,
-    )
+    cfg = _shape_cfg(S, ("sliding", "full"))
     P = S.page
     seq = [p + q for p, q in zip(prefix_lens, q_lens)]
     npg = [-(-s // P) for s in seq]
@@ -320,15 +304,16 @@ def _moe_layers(c: Ctx, S, n: int):
     ]
 
 
-def _moe_cfg(S, layers: int):
+def _shape_cfg(S, layer_types: tuple[str, ...]):
+    """A ModelConfig with S's attention and MoE shapes and the given layers."""
     from engine.config import ModelConfig
 
     return ModelConfig(
         vocab_size=32,
         hidden_size=S.hidden,
-        num_layers=layers,
+        num_layers=len(layer_types),
         num_heads=S.H,
-        layer_types=("full",) * layers,
+        layer_types=layer_types,
         head_dim_swa=S.d[0],
         head_dim_full=S.d[1],
         num_kv_heads_swa=S.kvh[0],
@@ -339,6 +324,10 @@ def _moe_cfg(S, layers: int):
         num_experts=S.experts,
         top_k_experts=S.topk,
     )
+
+
+def _moe_cfg(S, layers: int):
+    return _shape_cfg(S, ("full",) * layers)
 
 
 def _routing(c: Ctx, S, T: int):
