@@ -1,4 +1,4 @@
-"""`swaserve serve | generate | make-model | bench` (console script `swaserve = cli:main`)."""
+"""`swaserve serve | generate | make-model | bench` (console script `swaserve = swaserve.cli:main`)."""
 
 from __future__ import annotations
 
@@ -11,28 +11,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swaserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    from engine.args import add_engine_args
+    from swaserve.engine.args import add_engine_args
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    from server.launch import add_serve_args
+    from swaserve.server.launch import add_serve_args
 
     add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="generate a completion offline")
     add_engine_args(gen)
-    from engine.llm import add_generate_args
+    from swaserve.engine.llm import add_generate_args
 
     add_generate_args(gen)
 
     mk = sub.add_parser("make-model", help="write a random Gemma 4 GGUF (demo, tests, benchmarks)")
-    from models.tiny import add_make_model_args
+    from swaserve.models.tiny import add_make_model_args
 
     add_make_model_args(mk)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from bench.serve_bench import add_bench_args
+    from swaserve.bench.serve_bench import add_bench_args
 
     add_bench_args(bsub.add_parser("serve", help="serving benchmark over HTTP"))
     return p
@@ -46,19 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "serve":
-            from server.launch import run_serve
+            from swaserve.server.launch import run_serve
 
             return run_serve(args)
         if args.command == "generate":
-            from engine.llm import run_generate
+            from swaserve.engine.llm import run_generate
 
             return run_generate(args)
         if args.command == "make-model":
-            from models.tiny import run_make_model
+            from swaserve.models.tiny import run_make_model
 
             return run_make_model(args)
         if args.command == "bench":
-            from bench.serve_bench import run_bench
+            from swaserve.bench.serve_bench import run_bench
 
             return run_bench(args)
     except ValueError as e:  # bad user input: one line, no traceback

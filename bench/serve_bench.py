@@ -11,8 +11,8 @@ import os
 import shlex
 import sys
 
-from bench.serve_compare import DEFAULT_CONFIGS, ServerProcess, parse_config
-from bench.serve_runner import BenchRunner
+from swaserve.bench.serve_compare import DEFAULT_CONFIGS, ServerProcess, parse_config
+from swaserve.bench.serve_runner import BenchRunner
 
 WORKLOADS = ("fanout", "append", "sweep", "random")
 
@@ -126,7 +126,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def _preset_path(preset: str) -> str:
     """A random model of a models/tiny.py preset, made once into $SWASERVE_CACHE (or ~/.cache/swaserve)."""
-    from models import tiny
+    from swaserve.models import tiny
 
     if preset not in tiny.PRESETS:
         raise ValueError(f"--model-preset {preset!r}: choose from {', '.join(tiny.PRESETS)}")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.serve_stats import RequestResult
-from bench.workloads import Session, Workload, arrival_offsets
+from swaserve.bench.serve_stats import RequestResult
+from swaserve.bench.workloads import Session, Workload, arrival_offsets
 
 
 @dataclass

@@ -10,8 +10,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from bench.serve_client import wait_healthy
-from bench.serve_stats import RequestResult, sweep_rows
+from swaserve.bench.serve_client import wait_healthy
+from swaserve.bench.serve_stats import RequestResult, sweep_rows
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,8 +11,8 @@ import random
 
 import httpx
 
-from bench import workloads as W
-from bench.serve_client import (
+from swaserve.bench import workloads as W
+from swaserve.bench.serve_client import (
     RunConfig,
     chat_request,
     count_tokens,
@@ -21,8 +21,8 @@ from bench.serve_client import (
     run_workload,
     tokenize_chat,
 )
-from bench.serve_compare import comparison
-from bench.serve_stats import RequestResult, format_summary, summarize, sweep_rows
+from swaserve.bench.serve_compare import comparison
+from swaserve.bench.serve_stats import RequestResult, format_summary, summarize, sweep_rows
 
 log = logging.getLogger(__name__)
 

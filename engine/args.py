@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def _positive_int(name: str):

@@ -23,7 +23,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from swaserve.engine.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

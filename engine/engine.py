@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineOverloaded, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
-from engine.text_stream import TextStream
-from engine.tokenizer import ChatTemplate, Tokenizer
+from swaserve.engine.config import EngineConfig
+from swaserve.engine.core import EngineOverloaded, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
+from swaserve.engine.text_stream import TextStream
+from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
 
 log = logging.getLogger("swaserve.engine")
 
@@ -57,13 +57,13 @@ class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = True):
         # One INFO line per finished request; the server logs its own line and turns this off.
         self.log_requests = True
-        from engine.attention.base import get_attention_backend
-        from engine.attention.kv_pool import KVPool
-        from engine.kvcache import PageAllocator, SWARadixCache
-        from engine.model_runner import ModelRunner, plan_kv_pools
-        from engine.moe import get_moe_backend
-        from models.gemma4 import Gemma4Model
-        from models.gguf_loader import load_gguf
+        from swaserve.engine.attention.base import get_attention_backend
+        from swaserve.engine.attention.kv_pool import KVPool
+        from swaserve.engine.kvcache import PageAllocator, SWARadixCache
+        from swaserve.engine.model_runner import ModelRunner, plan_kv_pools
+        from swaserve.engine.moe import get_moe_backend
+        from swaserve.models.gemma4 import Gemma4Model
+        from swaserve.models.gguf_loader import load_gguf
 
         self.config = cfg
         self.device = resolve_device(cfg.device)
@@ -71,7 +71,7 @@ class Engine:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide intra-op pool
         path = cfg.model_path
         if path is None:
-            from models.tiny import demo_model_path
+            from swaserve.models.tiny import demo_model_path
 
             path = demo_model_path()
         t0 = time.monotonic()

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core import FinishReason, SamplingParams, TokenLogprob
+from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.core import FinishReason, SamplingParams, TokenLogprob
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -49,7 +49,7 @@ class LLM:
 
     def __init__(self, model_path: str | None = None, progress: bool = False,
                  config: EngineConfig | None = None, **engine_kwargs):
-        from engine.engine import Engine
+        from swaserve.engine.engine import Engine
 
         cfg = config if config is not None else build_engine_config(model_path, **engine_kwargs)
         self.engine = Engine(cfg, progress=progress)
@@ -133,7 +133,7 @@ def _parse_ids(s: str) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`swaserve generate`: prints the completion (and its ids with --print-ids)."""
-    from engine.args import engine_config_from_args
+    from swaserve.engine.args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
     if args.max_tokens < 1:

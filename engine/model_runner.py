@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.kv_pool import KVPool, bytes_per_token, resolve_kv_dtype
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.core import Batch, TokenLogprob
-from engine.sampling import SampleRow, make_generator, sample
+from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool, bytes_per_token, resolve_kv_dtype
+from swaserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.core import Batch, TokenLogprob
+from swaserve.engine.sampling import SampleRow, make_generator, sample
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core import SamplingParams, TokenLogprob
+from swaserve.engine.core import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from swaserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

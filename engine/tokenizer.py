@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from engine.chat_template import ChatPrompt, ChatTemplate
+from swaserve.engine.chat_template import ChatPrompt, ChatTemplate
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplate", "ChatPrompt"]
 

@@ -14,13 +14,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.kv_pool import KVPool
-from engine.config import ModelConfig
-from engine.moe.base import MoEBackend
-from engine.quant.base import QWeight
-from engine.quant.linear import embedding, linear
-from models.weights import Gemma4Weights, LayerWeights
+from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.linear import embedding, linear
+from swaserve.models.weights import Gemma4Weights, LayerWeights
 
 _ROPE_MIN_TABLE = 4096  # first table size; grows by doubling up to the largest position seen
 

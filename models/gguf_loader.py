@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, quants
 
-from engine.config import ModelConfig
-from engine.quant.base import QWeight
-from models.tiny import tensor_shapes
-from models.weights import Gemma4Weights, LayerWeights
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.quant.base import QWeight
+from swaserve.models.tiny import tensor_shapes
+from swaserve.models.weights import Gemma4Weights, LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _gate_up(tensors: dict[str, Any], i: int, cfg: ModelConfig, path: str) -> QW
     name = f"blk.{i}.ffn_gate_up_exps.weight"
     if g.qtype == u.qtype:  # concatenate the stored rows (one copy, at load)
         return QWeight(g.qtype, (e, 2 * ie, h), torch.cat([g.data, u.data], dim=1), name)
-    from engine.quant.dequant import dequantize
+    from swaserve.engine.quant.dequant import dequantize
 
     return QWeight("F32", (e, 2 * ie, h), torch.cat([dequantize(g), dequantize(u)], dim=1), name)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig
-from models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
+from swaserve.engine.config import ModelConfig
+from swaserve.models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
 
 __all__ = [
     "PRESETS", "RawTensor", "add_make_model_args", "demo_model_path", "make_model", "preset_config",
@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _tokenizer_meta() -> dict[str, Any]:
-    from models.demo_tokenizer import demo_tokenizer_metadata
+    from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 
     return dict(demo_tokenizer_metadata())
 
@@ -158,7 +158,7 @@ class LazyTensors(Mapping[str, "np.ndarray | RawTensor"]):
     def __getitem__(self, name: str) -> np.ndarray | RawTensor:
         shape = self.shapes[name]
         rng = _rng(self.seed, self._index[name])
-        from models.tiny_writer import tensor_qtype
+        from swaserve.models.tiny_writer import tensor_qtype
 
         if self.raw_q4_0 and tensor_qtype(name, shape, "Q4_0") == "Q4_0":
             _, _, std = _init(name, shape, self.cfg)

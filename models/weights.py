@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quant.base import QWeight
+from swaserve.engine.quant.base import QWeight
 
 
 @dataclass

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
-from server.auth import check_api_key
-from server.errors import APIError, install_error_handlers
-from server.routes_chat import router as chat_router
-from server.routes_completions import router as completions_router
-from server.routes_misc import router as misc_router
-from server.state import ServerConfig, ServerState
+from swaserve.server.auth import check_api_key
+from swaserve.server.errors import APIError, install_error_handlers
+from swaserve.server.routes_chat import router as chat_router
+from swaserve.server.routes_completions import router as completions_router
+from swaserve.server.routes_misc import router as misc_router
+from swaserve.server.state import ServerConfig, ServerState
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from swaserve.engine.engine import Engine
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
 

@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from server.errors import APIError
+from swaserve.server.errors import APIError
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
 

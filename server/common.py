@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
-from server.errors import APIError, bad_request, from_exception, sse_error
-from server.protocol import _SamplingFields
-from server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
+from swaserve.engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.server.errors import APIError, bad_request, from_exception, sse_error
+from swaserve.server.protocol import _SamplingFields
+from swaserve.server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
 
 if TYPE_CHECKING:
-    from server.state import ServerState
+    from swaserve.server.state import ServerState
 
 logger = logging.getLogger("swaserve.server")
 

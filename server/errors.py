@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core import EngineOverloaded, RequestError
+from swaserve.engine.core import EngineOverloaded, RequestError
 
 logger = logging.getLogger("swaserve.server")
 

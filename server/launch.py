@@ -8,8 +8,8 @@ import logging
 import os
 import socket
 
-from server.app import build_app
-from server.state import ServerConfig
+from swaserve.server.app import build_app
+from swaserve.server.state import ServerConfig
 
 logger = logging.getLogger("swaserve.server")
 
@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Validate every flag, then serve at once while the model loads in a background thread."""
     import uvicorn
 
-    from engine.args import engine_config_from_args
+    from swaserve.engine.args import engine_config_from_args
 
     engine_cfg = engine_config_from_args(args)  # ValueError: one line from cli.py, nothing loaded
     if engine_cfg.cpu_threads is None:
@@ -76,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_bind(args.host, args.port)
 
     def load():
-        from engine.engine import Engine
+        from swaserve.engine.engine import Engine
 
         return Engine(engine_cfg, progress=True)
 

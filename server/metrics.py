@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from server.state import ServerState
+    from swaserve.server.state import ServerState
 
 P = "swaserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

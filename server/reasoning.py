@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from server.tool_parser import CALL_CLOSE, CALL_OPEN, ParsedToolCall, parse_call_body
+from swaserve.server.tool_parser import CALL_CLOSE, CALL_OPEN, ParsedToolCall, parse_call_body
 
 CHANNEL_OPEN = "<|channel>"
 CHANNEL_CLOSE = "<channel|>"

@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.core import RequestOutput
-from server.common import (
+from swaserve.engine.core import RequestOutput
+from swaserve.server.common import (
     RequestTracker,
     RouteCtx,
     TokenText,
@@ -20,12 +20,12 @@ from server.common import (
     tracked,
     usage_dict,
 )
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from server.reasoning import ChatOutputParser, ParsedDelta
-from server.state import ServerState
-from server.streaming import OutputStream
-from server.tool_parser import CALL_OPEN
+from swaserve.server.errors import bad_request
+from swaserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from swaserve.server.reasoning import ChatOutputParser, ParsedDelta
+from swaserve.server.state import ServerState
+from swaserve.server.streaming import OutputStream
+from swaserve.server.tool_parser import CALL_OPEN
 
 router = APIRouter()
 

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.core import RequestOutput
-from server.common import (
+from swaserve.engine.core import RequestOutput
+from swaserve.server.common import (
     RequestTracker,
     RouteCtx,
     TokenText,
@@ -19,10 +19,10 @@ from server.common import (
     tracked,
     usage_dict,
 )
-from server.errors import bad_request
-from server.protocol import CompletionRequest
-from server.state import ServerState
-from server.streaming import OutputStream
+from swaserve.server.errors import bad_request
+from swaserve.server.protocol import CompletionRequest
+from swaserve.server.state import ServerState
+from swaserve.server.streaming import OutputStream
 
 router = APIRouter()
 

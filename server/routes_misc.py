@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError, bad_request
-from server.metrics import CONTENT_TYPE
-from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.routes_chat import _message_dict, _tools
-from server.state import ServerState
+from swaserve.server.errors import APIError, bad_request
+from swaserve.server.metrics import CONTENT_TYPE
+from swaserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from swaserve.server.routes_chat import _message_dict, _tools
+from swaserve.server.state import ServerState
 
 router = APIRouter()
 

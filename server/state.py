@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from server.errors import APIError
-from server.metrics import Metrics
-from server.reasoning import SpecialText
+from swaserve.server.errors import APIError
+from swaserve.server.metrics import Metrics
+from swaserve.server.reasoning import SpecialText
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from swaserve.engine.engine import Engine
 
 logger = logging.getLogger("swaserve.server")
 

@@ -13,7 +13,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from engine.core import RequestOutput
+from swaserve.engine.core import RequestOutput
 
 logger = logging.getLogger("swaserve.server")
 

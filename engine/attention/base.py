@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.kv_pool import KVPool
+from swaserve.engine.attention.kv_pool import KVPool
 
 
 @dataclass
@@ -96,11 +96,11 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
+        from swaserve.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
+        from swaserve.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r} (choose torch, triton or auto)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from swaserve.engine.config import ModelConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from engine.attention.kv_pool import KVPool
+from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from swaserve.engine.attention.kv_pool import KVPool
 
 Q_BLOCK = 256  # query rows per prefill block
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from engine.attention import triton_kernels as K
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from engine.attention.kv_pool import KVPool
-from engine.quant.triton_q4 import check_triton_device
-from engine.quant.triton_q4 import dot_f32 as use_dot_f32
+from swaserve.engine.attention import triton_kernels as K
+from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.quant.triton_q4 import check_triton_device
+from swaserve.engine.quant.triton_q4 import dot_f32 as use_dot_f32
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

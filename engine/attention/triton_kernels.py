@@ -189,7 +189,7 @@ def _decode_reduce_kernel(
 
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills
-# (python -m bench.triton_aot prints registers and stack per configuration).
+# (python -m tools.triton_aot prints registers and stack per configuration).
 def prefill_block_sizes(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
     if head_dim >= 512:

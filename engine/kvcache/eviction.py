@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 
-from engine.kvcache.node import Node, page_key, path_ranges
+from swaserve.engine.kvcache.node import Node, page_key, path_ranges
 
 
 class EvictionMixin:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.kvcache.node import Node, page_key, path_ranges
+from swaserve.engine.kvcache.node import Node, page_key, path_ranges
 
 
 def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None:

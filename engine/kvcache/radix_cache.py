@@ -23,11 +23,11 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.base import InsertResult, Match, PrefixCache
-from engine.kvcache.eviction import EvictionMixin
-from engine.kvcache.integrity import check_cache
-from engine.kvcache.node import Node, common_pages, page_key, path_ranges
+from swaserve.engine.kvcache.allocator import PageAllocator
+from swaserve.engine.kvcache.base import InsertResult, Match, PrefixCache
+from swaserve.engine.kvcache.eviction import EvictionMixin
+from swaserve.engine.kvcache.integrity import check_cache
+from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_ranges
 
 
 class SWARadixCache(EvictionMixin, PrefixCache):

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.moe.base import MoEBackend
-    from models.weights import Gemma4Weights
+    from swaserve.engine.config import ModelConfig
+    from swaserve.engine.moe.base import MoEBackend
+    from swaserve.models.weights import Gemma4Weights
 
 log = logging.getLogger(__name__)
 _NAMES = ("auto", "torch", "triton", "offload")
@@ -28,19 +28,19 @@ def get_moe_backend(
         name = "torch"
         if device.type == "cuda":
             try:
-                import engine.moe.triton_backend  # noqa: F401
-                from engine.moe.offload_backend import experts_fit
+                import swaserve.engine.moe.triton_backend  # noqa: F401
+                from swaserve.engine.moe.offload_backend import experts_fit
 
                 name = "triton" if experts_fit(weights.layers, device) else "offload"
             except ImportError as e:
                 log.warning("triton MoE backend unavailable (%s); using torch", e)
     opts: dict[str, Any] = {}
     if name == "torch":
-        from engine.moe.torch_backend import TorchMoE as cls
+        from swaserve.engine.moe.torch_backend import TorchMoE as cls
     elif name == "triton":
-        from engine.moe.triton_backend import TritonMoE as cls
+        from swaserve.engine.moe.triton_backend import TritonMoE as cls
     else:
-        from engine.moe.offload_backend import OffloadMoE as cls
+        from swaserve.engine.moe.offload_backend import OffloadMoE as cls
 
         opts["cache_size"] = cache_size
     return cls(cfg, weights.layers, device, **opts)

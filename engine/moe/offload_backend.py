@@ -21,11 +21,11 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.moe.base import MoEBackend
-from engine.quant.base import QWeight
-from engine.quant.linear import expert_slice, linear
-from models.weights import LayerWeights
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.linear import expert_slice, linear
+from swaserve.models.weights import LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class OffloadMoE(MoEBackend):
         if not self.on_device:
             self.cache_size = 0
             return
-        from engine.moe.triton_backend import fused_moe, stacked_views
+        from swaserve.engine.moe.triton_backend import fused_moe, stacked_views
 
         self._fused_moe = fused_moe
         self._stacked_views = stacked_views

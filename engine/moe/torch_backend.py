@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.moe.base import MoEBackend
-from engine.quant.base import QWeight
-from engine.quant.linear import expert_slice, linear
-from models.weights import LayerWeights
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.linear import expert_slice, linear
+from swaserve.models.weights import LayerWeights
 
 
 def _to(w: QWeight, device: torch.device) -> QWeight:

@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.config import ModelConfig
-from engine.moe.base import MoEBackend
-from engine.quant.base import QWeight
-from engine.quant.triton_q4 import FMTS, check_triton_device, dot_f32, load_w_tile, weight_views
-from models.weights import LayerWeights
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.triton_q4 import FMTS, check_triton_device, dot_f32, load_w_tile, weight_views
+from swaserve.models.weights import LayerWeights
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.quant.base import QK, QWeight
-from engine.quant.dequant import (
+from swaserve.engine.quant.base import QK, QWeight
+from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,
     FLOAT_TYPES,
     block_scales,
@@ -35,7 +35,7 @@ from engine.quant.dequant import (
     dequantize_data,
     q4_0_codes,
 )
-from engine.quant.pages import release_pages
+from swaserve.engine.quant.pages import release_pages
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,11 @@ def _triton() -> Any:
     if not _triton_checked:
         _triton_checked = True
         try:
-            import engine.quant.triton_q4 as mod
+            import swaserve.engine.quant.triton_q4 as mod
 
             _triton_mod = mod
         except ImportError as e:  # pragma: no cover - depends on the install
-            log.warning("engine.quant.triton_q4 unavailable (%s); using dequantize + matmul on CUDA", e)
+            log.warning("swaserve.engine.quant.triton_q4 unavailable (%s); using dequantize + matmul on CUDA", e)
     return _triton_mod
 
 

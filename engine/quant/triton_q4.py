@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quant.base import QWeight
+from swaserve.engine.quant.base import QWeight
 
 FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2
 FMTS = {"Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0, "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT}

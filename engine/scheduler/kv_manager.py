@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core import Req
+from swaserve.engine.core import Req
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.core import Req, RequestError, SamplingParams
+from swaserve.engine.core import Req, RequestError, SamplingParams
 
 
 def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) -> int:

@@ -16,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import SchedulerConfig
-from engine.core import Batch, FinishReason, Req, ReqStatus, TokenLogprob
-from engine.scheduler.kv_manager import KVManager
+from swaserve.engine.config import SchedulerConfig
+from swaserve.engine.core import Batch, FinishReason, Req, ReqStatus, TokenLogprob
+from swaserve.engine.scheduler.kv_manager import KVManager
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import uvicorn
 
-from bench.serve_compare import free_port
+from swaserve.bench.serve_compare import free_port
 from tests.bench.fake_server import build_fake_app
 
 

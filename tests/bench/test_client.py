@@ -5,9 +5,9 @@ import json
 
 import httpx
 
-from bench.serve_client import RunConfig, chat_request, count_tokens, run_workload, sse_data
-from bench.serve_stats import RequestResult
-from bench.workloads import multi_turn
+from swaserve.bench.serve_client import RunConfig, chat_request, count_tokens, run_workload, sse_data
+from swaserve.bench.serve_stats import RequestResult
+from swaserve.bench.workloads import multi_turn
 
 
 def _sse(*objs) -> bytes:

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from bench import serve_bench
-from bench.serve_compare import ServerProcess, outputs_identical, parse_config
-from bench.serve_runner import BenchRunner
-from bench.serve_stats import RequestResult
+from swaserve.bench import serve_bench
+from swaserve.bench.serve_compare import ServerProcess, outputs_identical, parse_config
+from swaserve.bench.serve_runner import BenchRunner
+from swaserve.bench.serve_stats import RequestResult
 
 
 def _args(*argv: str) -> argparse.Namespace:

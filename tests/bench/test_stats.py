@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from bench.serve_stats import (
+from swaserve.bench.serve_stats import (
     RequestResult,
     dist,
     format_summary,

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from bench import workloads as W
+from swaserve.bench import workloads as W
 
 
 def test_fanout_shape_and_sharing():

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplate, Tokenizer
-from models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
+from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 
 _HERE = Path(__file__).resolve()
 # the official Gemma 4 template: vendored test data, or the project's shared data folder

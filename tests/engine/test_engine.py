@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.core import RequestError, SamplingParams
-from engine.llm import LLM
+from swaserve.engine.core import RequestError, SamplingParams
+from swaserve.engine.llm import LLM
 
 W = 64  # the tiny preset's window
 CHUNK = 96
@@ -208,7 +208,7 @@ def test_n_choices_logprobs_and_stats(radix, prompts):
 
 
 def test_text_stream_holds_back_and_cuts(radix):
-    from engine.text_stream import TextStream
+    from swaserve.engine.text_stream import TextStream
 
     tok = radix.tokenizer
     text = "hello world, this is the end of it"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import cli
-from engine.core import SamplingParams
-from engine.llm import LLM, build_engine_config
+from swaserve import cli
+from swaserve.engine.core import SamplingParams
+from swaserve.engine.llm import LLM, build_engine_config
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.kv_pool import bytes_per_token
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core import Batch, Req, SamplingParams
-from engine.model_runner import build_metadata, min_swa_pages, plan_kv_pools
-from models.tiny import preset_config
+from swaserve.engine.attention.kv_pool import bytes_per_token
+from swaserve.engine.config import CacheConfig, SchedulerConfig
+from swaserve.engine.core import Batch, Req, SamplingParams
+from swaserve.engine.model_runner import build_metadata, min_swa_pages, plan_kv_pools
+from swaserve.models.tiny import preset_config
 
 CPU = torch.device("cpu")
 

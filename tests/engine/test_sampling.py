@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.core import SamplingParams
-from engine.sampling import (
+from swaserve.engine.core import SamplingParams
+from swaserve.engine.sampling import (
     SampleRow,
     apply_penalties,
     make_generator,

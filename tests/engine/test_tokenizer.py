@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import BYTE, CONTROL, IncrementalDetokenizer, Tokenizer
-from models.demo_tokenizer import CONTROL_TOKENS, demo_tokenizer_metadata
+from swaserve.engine.tokenizer import BYTE, CONTROL, IncrementalDetokenizer, Tokenizer
+from swaserve.models.demo_tokenizer import CONTROL_TOKENS, demo_tokenizer_metadata
 
 TEXTS = [
     "",
@@ -125,7 +125,7 @@ def test_matches_brute_force_bpe_and_round_trips(tok, meta, parts):
 
 
 def test_matches_brute_force_on_corpus_lines(tok, meta):
-    from models.demo_tokenizer import _PASSAGE
+    from swaserve.models.demo_tokenizer import _PASSAGE
 
     for line in _PASSAGE.split("\n\n"):
         assert tok.encode(line) == brute_force_encode(meta, line)

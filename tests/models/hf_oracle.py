@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.kv_pool import KVPool
-from engine.config import ModelConfig
-from engine.quant.dequant import dequantize
-from models.weights import Gemma4Weights
+from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.quant.dequant import dequantize
+from swaserve.models.weights import Gemma4Weights
 
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 

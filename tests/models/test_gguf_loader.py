@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.quant.dequant import dequantize
-from engine.quant.linear import expert_slice, linear
-from models import tiny_writer
-from models.demo_tokenizer import demo_tokenizer_metadata
-from models.gguf_loader import GGUFError, load_gguf, read_metadata
-from models.tiny import RawTensor, preset_config, random_tensors, write_gguf
+from swaserve.engine.quant.dequant import dequantize
+from swaserve.engine.quant.linear import expert_slice, linear
+from swaserve.models import tiny_writer
+from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.models.gguf_loader import GGUFError, load_gguf, read_metadata
+from swaserve.models.tiny import RawTensor, preset_config, random_tensors, write_gguf
 from tests.models.hf_oracle import LAYER_FIELDS
 
 
@@ -152,7 +152,7 @@ def test_read_metadata_plain_python(tmp_path, cfg, tensors, tok_meta) -> None:
 
 
 def test_fast_reader_matches_gguf_reader(tmp_path, cfg, tensors, tok_meta) -> None:
-    from models.gguf_loader import _metadata, _Reader
+    from swaserve.models.gguf_loader import _metadata, _Reader
 
     path = _write(tmp_path / "m.gguf", cfg, tensors, tok_meta)
     fast, stock = _Reader(path), gguf.GGUFReader(path)
@@ -245,7 +245,7 @@ def test_progress_bar(tmp_path, cfg, tensors, tok_meta, capsys) -> None:
 @pytest.mark.slow
 def test_small_preset_resident_memory(tmp_path) -> None:
     """RSS after loading `small` <= 1.2 x file size + 300 MB (measured in a fresh process)."""
-    from models.tiny import make_model
+    from swaserve.models.tiny import make_model
 
     path = make_model("small", str(tmp_path / "small.gguf"), progress=False)
     code = (

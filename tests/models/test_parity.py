@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.moe import get_moe_backend
-from models.gemma4 import Gemma4Model
-from models.gguf_loader import load_gguf
-from models.tiny import write_gguf
+from swaserve.engine.attention.torch_backend import TorchAttentionBackend
+from swaserve.engine.moe import get_moe_backend
+from swaserve.models.gemma4 import Gemma4Model
+from swaserve.models.gguf_loader import load_gguf
+from swaserve.models.tiny import write_gguf
 from tests.models.hf_oracle import (
     PagedRunner,
     build_hf_model,

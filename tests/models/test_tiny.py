@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
-from models.demo_tokenizer import demo_tokenizer_metadata
-from models.gguf_loader import load_gguf
-from models.tiny import (
+from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.models.gguf_loader import load_gguf
+from swaserve.models.tiny import (
     LazyTensors,
     RawTensor,
     add_make_model_args,

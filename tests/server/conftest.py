@@ -15,10 +15,10 @@ import openai
 import pytest
 import uvicorn
 
-import cli
-from engine.args import engine_config_from_args
-from server.app import build_app
-from server.launch import server_config_from_args
+from swaserve import cli
+from swaserve.engine.args import engine_config_from_args
+from swaserve.server.app import build_app
+from swaserve.server.launch import server_config_from_args
 
 SERVED = "swaserve-test"
 # pools big enough that nothing in these tests is evicted by pressure (tiny model: ~3 KiB per token)
@@ -70,7 +70,7 @@ def serve_args(*extra: str) -> Any:
 
 
 def make_engine(*extra: str) -> Any:
-    from engine.engine import Engine
+    from swaserve.engine.engine import Engine
 
     # as `swaserve serve` does: one core left to the HTTP thread (see server/launch.py)
     threads = str(max(1, (os.cpu_count() or 1) - 1))

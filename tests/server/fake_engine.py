@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
-from models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 
 
 class FakeEngine:

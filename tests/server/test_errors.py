@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server.app import ServerConfig, build_app
+from swaserve.server.app import ServerConfig, build_app
 from tests.server.conftest import SERVED, LiveServer
 from tests.server.fake_engine import FakeEngine
 
@@ -256,7 +256,7 @@ def test_flush_cache_400_while_running(fake: FakeEngine, fake_server: LiveServer
 ])
 def test_bad_serve_flag_fails_fast_with_one_line(flags, needle):
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "cli", "serve", *flags], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", *flags], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
@@ -268,7 +268,7 @@ def test_bad_serve_flag_fails_fast_with_one_line(flags, needle):
 def test_model_that_fails_to_load_exits_with_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
-    p = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(bad), "--port", "0"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", "--model", str(bad), "--port", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]

@@ -78,7 +78,7 @@ def test_usage_matches_tokenize_and_cache_report(server: LiveServer, client: ope
 
 
 def test_no_cache_report_without_flag(engine):
-    from server.app import ServerConfig, build_app
+    from swaserve.server.app import ServerConfig, build_app
 
     s = LiveServer(build_app(engine, ServerConfig(served_model_name=SERVED)))
     try:

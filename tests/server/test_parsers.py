@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.reasoning import ChatOutputParser, ParsedDelta, SpecialText
-from server.tool_parser import parse_call_body, parse_tool_calls
+from swaserve.server.reasoning import ChatOutputParser, ParsedDelta, SpecialText
+from swaserve.server.tool_parser import parse_call_body, parse_tool_calls
 
 Q = '<|"|>'
 SPECIAL = SpecialText(["<bos>", "<eos>", "<turn|>", "<|turn>", Q, "<|tool_response>", "<tool_response|>"])

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.app import build_app
-from server.launch import server_config_from_args
+from swaserve.server.app import build_app
+from swaserve.server.launch import server_config_from_args
 from tests.server.conftest import SERVED, LiveServer, make_engine, serve_args
 
 PAGE = 16
@@ -153,7 +153,7 @@ def test_seed_reproduction_script_against_swaserve_serve(tmp_path: Path):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    cmd = [sys.executable, "-m", "cli", "serve", "--enable-cache-report", "--port", str(port),
+    cmd = [sys.executable, "-m", "swaserve.cli", "serve", "--enable-cache-report", "--port", str(port),
            "--served-model-name", "seed-model"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

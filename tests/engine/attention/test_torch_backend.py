@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import engine.attention.torch_backend as tb
-from engine.attention.base import AttentionMetadata
-from engine.attention.kv_pool import KVPool
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
+import swaserve.engine.attention.torch_backend as tb
+from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.attention.torch_backend import TorchAttentionBackend
+from swaserve.engine.config import ModelConfig
 
 H = 4
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.kv_pool import KVPool
-from engine.config import ModelConfig
+from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.config import ModelConfig
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py must set TRITON_INTERPRET=1"
 
-import engine.attention.triton_backend as tb  # noqa: E402
-from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+import swaserve.engine.attention.triton_backend as tb  # noqa: E402
+from swaserve.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # max err / max |ref|
@@ -217,10 +217,10 @@ def test_poisoned_output_fully_written() -> None:
     check(out, brute_force(case, SWA, case.meta.window), torch.float32, seed, "poisoned out")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.attention.torch_backend") is None,
+@pytest.mark.skipif(importlib.util.find_spec("swaserve.engine.attention.torch_backend") is None,
                     reason="engine.attention.torch_backend not written yet")
 def test_matches_torch_backend() -> None:
-    from engine.attention.torch_backend import TorchAttentionBackend
+    from swaserve.engine.attention.torch_backend import TorchAttentionBackend
 
     seed = new_seed()
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from engine.kvcache import SWARadixCache
+from swaserve.engine.kvcache import SWARadixCache
 
 Key = tuple[int, ...]
 

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.kvcache import PageAllocator, SWARadixCache
+from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 
 
 def cdiv(a: int, b: int) -> int:

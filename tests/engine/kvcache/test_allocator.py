@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache import PageAllocator
+from swaserve.engine.kvcache import PageAllocator
 
 
 def test_alloc_is_all_or_nothing_and_free_returns_pages() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvcache import PageAllocator, SWARadixCache
+from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 
 
 def mk(P: int = 4, W: int = 8, budget: int = 0, policy: str = "lazy", full: int = 64, swa: int = 64,

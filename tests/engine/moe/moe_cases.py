@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.quant.base import QWeight
-from engine.quant.dequant import dequantize
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.dequant import dequantize
 
 
 def new_seed() -> int:

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from engine.moe.offload_backend import OffloadMoE, expert_bytes, experts_fit
-from engine.moe.torch_backend import TorchMoE
+from swaserve.engine.moe.offload_backend import OffloadMoE, expert_bytes, experts_fit
+from swaserve.engine.moe.torch_backend import TorchMoE
 from tests.engine.moe.moe_cases import make_cfg, make_layers, new_seed, rel_err, routing
 
 if not torch.cuda.is_available():
@@ -128,7 +128,7 @@ def test_emulated_without_cache_decodes_on_host() -> None:
 def test_sizes_and_registry() -> None:
     from types import SimpleNamespace
 
-    from engine.moe import get_moe_backend
+    from swaserve.engine.moe import get_moe_backend
 
     g, cfg, layers, _ = setup(0)
     per_layer = E * 2 * INTER * (HID // 32 * 18) + E * HID * (INTER // 32 * 18)

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from engine.config import ModelConfig
-from engine.moe import get_moe_backend
-from engine.moe.torch_backend import TorchMoE
-from engine.quant.base import QWeight
-from engine.quant.dequant import dequantize
+from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe import get_moe_backend
+from swaserve.engine.moe.torch_backend import TorchMoE
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.dequant import dequantize
 
 E, TOPK, HID, INTER = 6, 2, 64, 32
 

@@ -13,14 +13,14 @@ import random
 import pytest
 import torch
 
-from engine.moe.torch_backend import TorchMoE
+from swaserve.engine.moe.torch_backend import TorchMoE
 from tests.engine.moe.moe_cases import dense_moe, make_cfg, make_layers, new_seed, rel_err, routing
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py must set TRITON_INTERPRET=1"
 
-import engine.moe.triton_backend as tmoe  # noqa: E402
-from engine.moe.triton_backend import TritonMoE, moe_align  # noqa: E402
+import swaserve.engine.moe.triton_backend as tmoe  # noqa: E402
+from swaserve.engine.moe.triton_backend import TritonMoE, moe_align  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E, HID, INTER = 8, 64, 96

@@ -7,9 +7,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.quant.base import QWeight
-from engine.quant.dequant import dequantize, dequantize_rows
-from engine.quant.linear import embedding, expert_slice, linear, set_cpu_fast_q4
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.dequant import dequantize, dequantize_rows
+from swaserve.engine.quant.linear import embedding, expert_slice, linear, set_cpu_fast_q4
 
 
 def _qweight(w: np.ndarray, qtype: str) -> QWeight:

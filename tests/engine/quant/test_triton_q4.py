@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.quant.base import QWeight
-from engine.quant.dequant import dequantize
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.dequant import dequantize
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py must set TRITON_INTERPRET=1"
 
-import engine.quant.triton_q4 as tq  # noqa: E402
+import swaserve.engine.quant.triton_q4 as tq  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # max err / max |ref|
@@ -116,7 +116,7 @@ def test_quant_linear_half_inputs_and_3d(dtype: torch.dtype, m: int) -> None:
 def test_matches_cpu_linear_on_unaligned_view() -> None:
     """A row-slice view (odd byte offset into a larger buffer) still works, and agrees with
     engine.quant.linear's CPU path."""
-    from engine.quant.linear import linear
+    from swaserve.engine.quant.linear import linear
 
     seed = new_seed()
     g = torch.Generator().manual_seed(seed)

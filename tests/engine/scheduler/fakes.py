@@ -8,7 +8,7 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
-from engine.core import Batch
+from swaserve.engine.core import Batch
 
 
 class FakeAllocator:

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.core import RequestError, SamplingParams
-from engine.scheduler import KVManager, Scheduler, make_reqs
+from swaserve.engine.config import SchedulerConfig
+from swaserve.engine.core import RequestError, SamplingParams
+from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 from tests.engine.scheduler.fakes import CheckingModel, FakeAllocator, RefCache, next_token
 
 try:
-    from engine.kvcache import PageAllocator, SWARadixCache
+    from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 except ImportError:  # the cache is built concurrently; the reference cache still runs
     PageAllocator = SWARadixCache = None
 

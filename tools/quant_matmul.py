@@ -1,6 +1,6 @@
 """Q4_0 matmul benchmark on the real gemma-4-26B-A4B projection and expert shapes.
 
-`python -m bench.quant_matmul [--rows 1,8,128] [--device cpu|cuda] [--threads N] [--lm-head]` prints,
+`python -m tools.quant_matmul [--rows 1,8,128] [--device cpu|cuda] [--threads N] [--lm-head]` prints,
 per shape and row count, the best time per call of our Q4_0 linear (engine.quant.linear; on CPU both the exact
 fp32 path and the bf16 int4-kernel path) against an fp32 dense matmul on the dequantized weight,
 and the bytes-read bounds: Q4_0 weight bytes / memory bandwidth and fp32 weight bytes / bandwidth
@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from engine.quant.base import Q4_0_BLOCK_BYTES, QK, QWeight
-from engine.quant.dequant import dequantize
-from engine.quant.linear import linear
+from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QK, QWeight
+from swaserve.engine.quant.dequant import dequantize
+from swaserve.engine.quant.linear import linear
 
 H = 2816
 # (name, K in, N out) of gemma-4-26B-A4B
@@ -146,7 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.quant_matmul", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.quant_matmul", description=__doc__)
     add_bench_args(p)
     return run_bench(p.parse_args(argv))
 

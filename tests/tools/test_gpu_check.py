@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", *args],
+        [sys.executable, "-m", "tools.gpu_check", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -69,7 +69,7 @@ def test_kernels_compile_for_sm90_without_spilling_shared_memory() -> None:
     shared memory: the GPU code path (bf16/fp16 tl.dot operand types) the interpreter cannot check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, "-m", "bench.triton_aot", "--arch", "90"],
+        [sys.executable, "-m", "tools.triton_aot", "--arch", "90"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 """Compile every Triton kernel configuration the backends launch for a CUDA target without a GPU.
 
-    python -m bench.triton_aot [--arch 90]
+    python -m tools.triton_aot [--arch 90]
 
 Catches what the CPU interpreter cannot: type errors of the GPU code path (tl.dot operand types),
 and resource use (shared memory against the chip's limit, registers, stack/spills read from the
@@ -27,9 +27,9 @@ SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}  # bytes per bloc
 
 def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
     """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them."""
-    from engine.attention import triton_kernels as AK
-    from engine.moe import triton_backend as MB
-    from engine.quant import triton_q4 as Q
+    from swaserve.engine.attention import triton_kernels as AK
+    from swaserve.engine.moe import triton_backend as MB
+    from swaserve.engine.quant import triton_q4 as Q
 
     out = []
     att = dict(

@@ -1,7 +1,7 @@
 """GPU check of the Triton kernels at gemma-4-26B-A4B shapes: correctness vs torch, speed vs torch and
 vs the measured memory-bandwidth (copy) and bf16 matmul ceilings, plus an end-to-end decode rate.
 
-    python -m bench.gpu_check [--quick] [--budget-s 480] [--out table.md]
+    python -m tools.gpu_check [--quick] [--budget-s 480] [--out table.md]
 
 Every check runs in try/except (a failure prints FAIL and the error, the rest go on); checks
 past the time budget print SKIP. Exit status: 0 if nothing failed, 1 otherwise. Without CUDA it
@@ -162,8 +162,8 @@ def check_ceilings(c: Ctx, S) -> list[Row]:
 def _attn_setup(c: Ctx, S, q_lens: list[int], prefix_lens: list[int]):
     """A KVPool of one sliding and one full layer at S's shapes, random K/V everywhere, shuffled pages."""
     torch = c.torch
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.kv_pool import KVPool
+    from swaserve.engine.attention.base import AttentionMetadata
+    from swaserve.engine.attention.kv_pool import KVPool
 
     cfg = _shape_cfg(S, ("sliding", "full"))
     P = S.page
@@ -188,8 +188,8 @@ def _attn_setup(c: Ctx, S, q_lens: list[int], prefix_lens: list[int]):
 
 def _attn_rows(c: Ctx, S, name: str, q_lens: list[int], prefix_lens: list[int]) -> list[Row]:
     torch = c.torch
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from swaserve.engine.attention.torch_backend import TorchAttentionBackend
+    from swaserve.engine.attention.triton_backend import TritonAttentionBackend
 
     cfg, pool, meta = _attn_setup(c, S, q_lens, prefix_lens)
     tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
@@ -248,7 +248,7 @@ def check_attn_decode(c: Ctx, S, B: int) -> list[Row]:
 def rand_q4(c: Ctx, shape: tuple[int, ...]):
     """Random Q4_0 stored weight on the device; weights of std ~ 1/sqrt(K)."""
     torch = c.torch
-    from engine.quant.base import QWeight
+    from swaserve.engine.quant.base import QWeight
 
     *lead, n, k = shape
     nb = k // 32
@@ -262,8 +262,8 @@ def check_q4(c: Ctx, S, name: str, N: int, K: int, M: int) -> list[Row]:
     torch = c.torch
     import torch.nn.functional as F
 
-    from engine.quant.dequant import dequantize
-    from engine.quant.triton_q4 import q4_0_linear
+    from swaserve.engine.quant.dequant import dequantize
+    from swaserve.engine.quant.triton_q4 import q4_0_linear
 
     w = rand_q4(c, (N, K))
     wd = dequantize(w)  # [N, K] fp32
@@ -306,7 +306,7 @@ def _moe_layers(c: Ctx, S, n: int):
 
 def _shape_cfg(S, layer_types: tuple[str, ...]):
     """A ModelConfig with S's attention and MoE shapes and the given layers."""
-    from engine.config import ModelConfig
+    from swaserve.engine.config import ModelConfig
 
     return ModelConfig(
         vocab_size=32,
@@ -353,8 +353,8 @@ def _moe_ref(x, gu, dn, ids, w, inter: int):
 
 def check_moe(c: Ctx, S, T: int, state: dict) -> list[Row]:
     torch = c.torch
-    from engine.moe.triton_backend import TritonMoE
-    from engine.quant.dequant import dequantize
+    from swaserve.engine.moe.triton_backend import TritonMoE
+    from swaserve.engine.quant.dequant import dequantize
 
     if "moe" not in state:
         layers = _moe_layers(c, S, 1)
@@ -394,8 +394,8 @@ def check_moe(c: Ctx, S, T: int, state: dict) -> list[Row]:
 
 def check_offload(c: Ctx, S, state: dict) -> list[Row]:
     torch = c.torch
-    from engine.moe.offload_backend import OffloadMoE
-    from engine.moe.triton_backend import TritonMoE
+    from swaserve.engine.moe.offload_backend import OffloadMoE
+    from swaserve.engine.moe.triton_backend import TritonMoE
 
     layers = _moe_layers(c, S, 2)
     cfg = _moe_cfg(S, 2)
@@ -445,11 +445,11 @@ def check_offload(c: Ctx, S, state: dict) -> list[Row]:
 
 def check_e2e(c: Ctx, S, B: int) -> list[Row]:
     torch = c.torch
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.kv_pool import KVPool
-    from engine.attention.triton_backend import TritonAttentionBackend
-    from engine.moe.triton_backend import TritonMoE
-    from models.gemma4 import Gemma4Model
+    from swaserve.engine.attention.base import AttentionMetadata
+    from swaserve.engine.attention.kv_pool import KVPool
+    from swaserve.engine.attention.triton_backend import TritonAttentionBackend
+    from swaserve.engine.moe.triton_backend import TritonMoE
+    from swaserve.models.gemma4 import Gemma4Model
 
     cfg = _e2e_config(S)
     weights = _random_weights(c, cfg)
@@ -503,11 +503,11 @@ def check_e2e(c: Ctx, S, B: int) -> list[Row]:
 def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
     """Relative max error of a prompt's last-token logits: triton backends vs torch backends."""
     torch = c.torch
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.kv_pool import KVPool
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.moe.torch_backend import TorchMoE
-    from models.gemma4 import Gemma4Model
+    from swaserve.engine.attention.base import AttentionMetadata
+    from swaserve.engine.attention.kv_pool import KVPool
+    from swaserve.engine.attention.torch_backend import TorchAttentionBackend
+    from swaserve.engine.moe.torch_backend import TorchMoE
+    from swaserve.models.gemma4 import Gemma4Model
 
     ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.layers, c.dev), c.dev,
                       dtype=torch.bfloat16)
@@ -527,11 +527,11 @@ def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
 
 def _e2e_config(S):
     try:
-        from models.tiny import preset_config
+        from swaserve.models.tiny import preset_config
 
         return preset_config(S.preset, vocab_size=None if S.preset != "tiny" else 256)
     except ImportError:  # models.tiny needs gguf; the shapes are the same either way
-        from engine.config import ModelConfig
+        from swaserve.engine.config import ModelConfig
 
         return ModelConfig(
             vocab_size=262144,
@@ -554,7 +554,7 @@ def _e2e_config(S):
 def _random_weights(c: Ctx, cfg):
     """Random Gemma 4 weights in stored form, generated on the device (no GGUF)."""
     torch = c.torch
-    from models.weights import Gemma4Weights, LayerWeights
+    from swaserve.models.weights import Gemma4Weights, LayerWeights
 
     H = cfg.hidden_size
 

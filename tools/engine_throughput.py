@@ -2,7 +2,7 @@
 scheduler + cache time as a share of step time, and resident memory over a steady load.
 
     swaserve make-model --preset small --out /tmp/small.gguf
-    python -m bench.engine_throughput --model /tmp/small.gguf [--json out.json]
+    python -m tools.engine_throughput --model /tmp/small.gguf [--json out.json]
 
 Without --model the `small` preset is generated once into $SWASERVE_CACHE (or ~/.cache/swaserve).
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import psutil
 
-from engine.core import SamplingParams
+from swaserve.engine.core import SamplingParams
 
 
 def _small_model() -> str:
-    from models.tiny import make_model
+    from swaserve.models.tiny import make_model
 
     cache = Path(os.environ.get("SWASERVE_CACHE") or Path.home() / ".cache" / "swaserve")
     path = cache / "swaserve-bench-small.gguf"
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.llm import LLM
-    from engine.quant.linear import set_cpu_fast_q4
+    from swaserve.engine.llm import LLM
+    from swaserve.engine.quant.linear import set_cpu_fast_q4
 
     if args.threads:
         torch.set_num_threads(args.threads)
