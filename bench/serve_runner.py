@@ -10,7 +10,6 @@ import logging
 import random
 
 import httpx
-
 from swaserve.bench import workloads as W
 from swaserve.bench.serve_client import (
     RunConfig,

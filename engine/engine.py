@@ -21,9 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from swaserve.engine.config import EngineConfig
-from swaserve.engine.core import EngineOverloaded, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.core import (
+    EngineOverloaded,
+    Req,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from swaserve.engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
 from swaserve.engine.text_stream import TextStream
 from swaserve.engine.tokenizer import ChatTemplate, Tokenizer

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from swaserve.engine.config import ModelConfig
 from swaserve.models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
 

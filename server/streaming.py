@@ -12,7 +12,6 @@ from typing import Any
 import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
-
 from swaserve.engine.core import RequestOutput
 
 logger = logging.getLogger("swaserve.server")

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from swaserve.engine.core import SamplingParams
 
 
@@ -143,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-
     from swaserve.engine.llm import LLM
     from swaserve.engine.quant.linear import set_cpu_fast_q4
 

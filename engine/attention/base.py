@@ -11,7 +11,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
 from swaserve.engine.attention.kv_pool import KVPool
 
 

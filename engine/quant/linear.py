@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from swaserve.engine.quant.base import QK, QWeight
 from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,
@@ -158,7 +157,7 @@ def _triton() -> Any:
 
             _triton_mod = mod
         except ImportError as e:  # pragma: no cover - depends on the install
-            log.warning("swaserve.engine.quant.triton_q4 unavailable (%s); using dequantize + matmul on CUDA", e)
+            log.warning("the Triton Q4 kernels are unavailable (%s); using dequantize + matmul on CUDA", e)
     return _triton_mod
 
 

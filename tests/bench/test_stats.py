@@ -5,7 +5,6 @@ import random
 
 import numpy as np
 import pytest
-
 from swaserve.bench.serve_stats import (
     RequestResult,
     dist,

@@ -3,7 +3,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from swaserve.bench import workloads as W
 
 

@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.engine.llm import LLM
 

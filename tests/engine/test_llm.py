@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from swaserve import cli
 from swaserve.engine.core import SamplingParams
 from swaserve.engine.llm import LLM, build_engine_config

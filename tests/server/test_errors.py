@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from swaserve.server.app import ServerConfig, build_app
+
 from tests.server.conftest import SERVED, LiveServer
 from tests.server.fake_engine import FakeEngine
 
@@ -268,8 +268,8 @@ def test_bad_serve_flag_fails_fast_with_one_line(flags, needle):
 def test_model_that_fails_to_load_exits_with_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
-    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", "--model", str(bad), "--port", "0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", "--model", str(bad), "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("swaserve serve: error:") and "bad.gguf" in last

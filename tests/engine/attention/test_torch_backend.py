@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-
 import swaserve.engine.attention.torch_backend as tb
+import torch
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.attention.torch_backend import TorchAttentionBackend

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 
 
