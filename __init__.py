@@ -13,12 +13,12 @@ __all__ = ["LLM", "SamplingParams"]
 
 if TYPE_CHECKING:
     from swaserve.engine.core import SamplingParams
-    from swaserve.engine.llm import LLM
+    from swaserve.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from swaserve.engine.llm import LLM
+        from swaserve.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion offline")
     add_engine_args(gen)
-    from swaserve.engine.llm import add_generate_args
+    from swaserve.llm import add_generate_args
 
     add_generate_args(gen)
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command == "generate":
-            from swaserve.engine.llm import run_generate
+            from swaserve.llm import run_generate
 
             return run_generate(args)
         if args.command == "make-model":

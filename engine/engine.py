@@ -37,15 +37,6 @@ from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
 log = logging.getLogger("swaserve.engine")
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return dev
-
-
 class _Track:
     """Engine-side state of one choice."""
 
@@ -60,42 +51,29 @@ class _Track:
 class Engine:
     """See the module docstring and notes/contracts.md (Engine)."""
 
-    def __init__(self, cfg: EngineConfig, progress: bool = True):
+    def __init__(self, cfg: EngineConfig, bundle: ModelBundle):
         # One INFO line per finished request; the server logs its own line and turns this off.
         self.log_requests = True
-        from swaserve.engine.attention.base import get_attention_backend
         from swaserve.engine.attention.kv_pool import KVPool
         from swaserve.engine.kvcache import PageAllocator, SWARadixCache
         from swaserve.engine.model_runner import ModelRunner, plan_kv_pools
-        from swaserve.engine.moe import get_moe_backend
-        from swaserve.models.gemma4 import Gemma4Model
-        from swaserve.models.gguf_loader import load_gguf
 
         self.config = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = bundle.device
         if cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide intra-op pool
-        path = cfg.model_path
-        if path is None:
-            from swaserve.models.tiny import demo_model_path
-
-            path = demo_model_path()
         t0 = time.monotonic()
-        log.info("loading %s", path)
-        loaded = load_gguf(path, progress=progress)
-        mc = loaded.config
+        mc = bundle.config
         self.model_config = mc
-        self.model_name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
-        self.tokenizer = Tokenizer.from_metadata(loaded.metadata)
-        tmpl = loaded.metadata.get("tokenizer.chat_template")
+        self.model_name = bundle.name
+        self.tokenizer = Tokenizer.from_metadata(bundle.metadata)
+        tmpl = bundle.metadata.get("tokenizer.chat_template")
         self.chat_template = ChatTemplate(tmpl, self.tokenizer) if tmpl else None
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(mc.eos_token_ids)
+        self.model = bundle.model
+        path = bundle.path
 
         cc, sc = cfg.cache, cfg.scheduler
-        act_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        attn = get_attention_backend(cfg.attention_backend, self.device)
-        moe = get_moe_backend(cfg.moe_backend, mc, loaded.weights, self.device, cfg.moe_cache_size)
-        self.model = Gemma4Model(mc, loaded.weights, attn, moe, self.device, act_dtype)
         context = sc.context_length or mc.context_length
         plan = plan_kv_pools(mc, cc, sc, context, self.device)  # after the weights: sized from what is left
         cap = plan.full_pages * cc.page_size
@@ -109,7 +87,6 @@ class Engine:
             for t in (self.pool.full_k, self.pool.full_v, self.pool.swa_k, self.pool.swa_v):
                 t.fill_(0)
         log.info("KV pools: %s", plan.describe(cc.page_size, mc))
-        self._loaded = loaded
         self.full_alloc = PageAllocator(plan.full_pages)
         self.swa_alloc = PageAllocator(plan.swa_pages)
         enabled = cc.cache_type == "radix"
@@ -120,7 +97,7 @@ class Engine:
         self.scheduler = Scheduler(sc, kv, context)
         self.runner = ModelRunner(self.model, self.pool, cc.page_size, mc.sliding_window, self.device)
         self.debug_checks = os.environ.get("SWASERVE_DEBUG", "") not in ("", "0")
-        log.info("model %s loaded in %.1fs (%s, %d layers, window %d, context %d, device %s)",
+        log.info("engine for %s ready in %.1fs (%s, %d layers, window %d, context %d, device %s)",
                  self.model_name, time.monotonic() - t0, Path(path).name, mc.num_layers, mc.sliding_window,
                  context, self.device)
 

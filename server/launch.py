@@ -76,8 +76,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load():
         from swaserve.engine.engine import Engine
+        from swaserve.models.registry import load_model
 
-        return Engine(engine_cfg, progress=True)
+        return Engine(engine_cfg, load_model(engine_cfg, progress=True))
 
     app = build_app(load, server_cfg)
     state = app.state.swa

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from swaserve.engine.llm import LLM
     from swaserve.engine.quant.linear import set_cpu_fast_q4
+    from swaserve.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from swaserve.engine.core import RequestError, SamplingParams
-from swaserve.engine.llm import LLM
+from swaserve.llm import LLM
 
 W = 64  # the tiny preset's window
 CHUNK = 96

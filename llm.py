@@ -50,9 +50,10 @@ class LLM:
     def __init__(self, model_path: str | None = None, progress: bool = False,
                  config: EngineConfig | None = None, **engine_kwargs):
         from swaserve.engine.engine import Engine
+        from swaserve.models.registry import load_model
 
         cfg = config if config is not None else build_engine_config(model_path, **engine_kwargs)
-        self.engine = Engine(cfg, progress=progress)
+        self.engine = Engine(cfg, load_model(cfg, progress=progress))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from swaserve import cli
 from swaserve.engine.core import SamplingParams
-from swaserve.engine.llm import LLM, build_engine_config
+from swaserve.llm import LLM, build_engine_config
 
 
 @pytest.fixture(scope="module")

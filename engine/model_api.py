@@ -1,0 +1,47 @@
+"""What the engine needs from a model. `models/` builds one (models.registry.load_model); whoever
+composes (the CLI, the server launch, `LLM`) hands it to the engine, which never imports `models/`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.config import ModelConfig
+
+
+class CausalLM(Protocol):
+    """A decoder over the paged KV pools: one varlen batch in, hidden states and logits out."""
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """input_ids [T] (the new tokens of every sequence, flat) -> fp32 hidden [T, H]."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> fp32 logits [N, V]."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A loaded model with what the engine reads beside it."""
+
+    model: CausalLM
+    config: ModelConfig
+    metadata: Mapping[str, Any]  # GGUF metadata: tokenizer.*, tokenizer.chat_template, ...
+    name: str  # the default served model name
+    path: str  # the GGUF file
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` = cuda when available, else cpu; ValueError for a CUDA device on a machine without one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return dev
