@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
 from swaserve.bench.serve_stats import RequestResult
 from swaserve.bench.workloads import Session, Workload, arrival_offsets
 

@@ -10,6 +10,7 @@ import logging
 import random
 
 import httpx
+
 from swaserve.bench import workloads as W
 from swaserve.bench.serve_client import (
     RunConfig,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import (
     EngineOverloaded,
@@ -30,6 +31,7 @@ from swaserve.engine.core import (
     SamplingParams,
     TokenLogprob,
 )
+from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
 from swaserve.engine.text_stream import TextStream
 from swaserve.engine.tokenizer import ChatTemplate, Tokenizer

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import ModelConfig

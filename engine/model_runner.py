@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from swaserve.engine.core import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")

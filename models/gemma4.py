@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import ModelConfig

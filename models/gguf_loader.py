@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, quants
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.quant.base import QWeight
 from swaserve.models.tiny import tensor_shapes

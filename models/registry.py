@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.model_api import CausalLM, ModelBundle, resolve_device
 from swaserve.models.gguf_loader import GGUFError, LoadedModel, load_gguf, read_metadata

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from swaserve.engine.config import ModelConfig
 from swaserve.models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
 

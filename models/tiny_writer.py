@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, quants
+
 from swaserve.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
+
 from swaserve.server.auth import check_api_key
 from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.routes_chat import router as chat_router

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 
 from fastapi import Request
+
 from swaserve.server.errors import APIError
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")

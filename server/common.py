@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+
 from swaserve.engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.server.errors import APIError, bad_request, from_exception, sse_error
 from swaserve.server.protocol import _SamplingFields

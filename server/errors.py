@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from swaserve.engine.core import EngineOverloaded, RequestError
 
 logger = logging.getLogger("swaserve.server")

@@ -63,6 +63,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     """Validate every flag, then serve at once while the model loads in a background thread."""
     import uvicorn
+
     from swaserve.engine.args import engine_config_from_args
 
     engine_cfg = engine_config_from_args(args)  # ValueError: one line from cli.py, nothing loaded

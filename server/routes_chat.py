@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+
 from swaserve.engine.core import RequestOutput
 from swaserve.server.common import (
     RequestTracker,

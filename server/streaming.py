@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
+
 from swaserve.engine.core import RequestOutput
 
 logger = logging.getLogger("swaserve.server")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from swaserve import cli
 from swaserve.engine.core import SamplingParams
 from swaserve.llm import LLM, build_engine_config

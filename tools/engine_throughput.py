@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import psutil
+
 from swaserve.engine.core import SamplingParams
 
 
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
     from swaserve.engine.quant.linear import set_cpu_fast_q4
     from swaserve.llm import LLM
 

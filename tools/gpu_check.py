@@ -261,6 +261,7 @@ def rand_q4(c: Ctx, shape: tuple[int, ...]):
 def check_q4(c: Ctx, S, name: str, N: int, K: int, M: int) -> list[Row]:
     torch = c.torch
     import torch.nn.functional as F
+
     from swaserve.engine.quant.dequant import dequantize
     from swaserve.engine.quant.triton_q4 import q4_0_linear
 

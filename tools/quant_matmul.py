@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+
 from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QK, QWeight
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import linear

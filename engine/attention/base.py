@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
 from swaserve.engine.attention.kv_pool import KVPool
 
 

@@ -7,6 +7,7 @@ Layout per group g: k[g], v[g]: [num_layers_g, num_pages * page_size, KVH_g, D_g
 from __future__ import annotations
 
 import torch
+
 from swaserve.engine.config import ModelConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from swaserve.engine.attention.kv_pool import KVPool
 

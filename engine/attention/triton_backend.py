@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+
 from swaserve.engine.attention import triton_kernels as K
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from swaserve.engine.attention.kv_pool import KVPool

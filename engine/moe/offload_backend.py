@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight

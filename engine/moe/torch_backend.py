@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight

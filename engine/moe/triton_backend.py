@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight

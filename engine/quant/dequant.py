@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, QWeight
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.quant.base import QK, QWeight
 from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,

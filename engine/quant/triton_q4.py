@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from swaserve.engine.quant.base import QWeight
 
 FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2

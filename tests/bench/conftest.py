@@ -5,8 +5,8 @@ import time
 
 import pytest
 import uvicorn
-from swaserve.bench.serve_compare import free_port
 
+from swaserve.bench.serve_compare import free_port
 from tests.bench.fake_server import build_fake_app
 
 

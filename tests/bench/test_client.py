@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import httpx
+
 from swaserve.bench.serve_client import RunConfig, chat_request, count_tokens, run_workload, sse_data
 from swaserve.bench.serve_stats import RequestResult
 from swaserve.bench.workloads import multi_turn

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+
 from swaserve.bench import serve_bench
 from swaserve.bench.serve_compare import ServerProcess, outputs_identical, parse_config
 from swaserve.bench.serve_runner import BenchRunner

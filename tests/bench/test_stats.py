@@ -5,6 +5,7 @@ import random
 
 import numpy as np
 import pytest
+
 from swaserve.bench.serve_stats import (
     RequestResult,
     dist,

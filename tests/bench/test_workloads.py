@@ -3,6 +3,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+
 from swaserve.bench import workloads as W
 
 

@@ -4,6 +4,7 @@ import copy
 from pathlib import Path
 
 import pytest
+
 from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.llm import LLM
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from swaserve.engine.attention.kv_pool import bytes_per_token
 from swaserve.engine.config import CacheConfig, SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams

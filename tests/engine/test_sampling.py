@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from swaserve.engine.core import SamplingParams
 from swaserve.engine.sampling import (
     SampleRow,

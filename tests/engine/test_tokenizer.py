@@ -5,6 +5,7 @@ import re
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from swaserve.engine.tokenizer import BYTE, CONTROL, IncrementalDetokenizer, Tokenizer
 from swaserve.models.demo_tokenizer import CONTROL_TOKENS, demo_tokenizer_metadata
 

@@ -7,12 +7,13 @@ import math
 
 import numpy as np
 import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.models.weights import Gemma4Weights
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 

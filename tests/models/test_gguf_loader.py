@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import expert_slice, linear
 from swaserve.models import tiny_writer
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 from swaserve.models.gguf_loader import GGUFError, load_gguf, read_metadata
 from swaserve.models.tiny import RawTensor, preset_config, random_tensors, write_gguf
-
 from tests.models.hf_oracle import LAYER_FIELDS
 
 

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 from swaserve.models.gguf_loader import load_gguf
 from swaserve.models.tiny import (

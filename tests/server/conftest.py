@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+
 from swaserve import cli
 from swaserve.engine.args import engine_config_from_args
 from swaserve.server.app import build_app

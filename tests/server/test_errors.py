@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from swaserve.server.app import ServerConfig, build_app
 
+from swaserve.server.app import ServerConfig, build_app
 from tests.server.conftest import SERVED, LiveServer
 from tests.server.fake_engine import FakeEngine
 

@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from swaserve.server.reasoning import ChatOutputParser, ParsedDelta, SpecialText
 from swaserve.server.tool_parser import parse_call_body, parse_tool_calls
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from swaserve.server.app import build_app
 from swaserve.server.launch import server_config_from_args
-
 from tests.server.conftest import SERVED, LiveServer, make_engine, serve_args
 
 PAGE = 16

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import swaserve.engine.attention.torch_backend as tb
 import torch
+
+import swaserve.engine.attention.torch_backend as tb
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.attention.torch_backend import TorchAttentionBackend

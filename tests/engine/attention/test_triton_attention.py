@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import ModelConfig

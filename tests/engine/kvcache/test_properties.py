@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 
+from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 from tests.engine.kvcache.reference import CheckedCache, Key, check_reuse_ends
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize

@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
+
 from swaserve.engine.moe.offload_backend import OffloadMoE, expert_bytes, experts_fit
 from swaserve.engine.moe.torch_backend import TorchMoE
-
 from tests.engine.moe.moe_cases import make_cfg, make_layers, new_seed, rel_err, routing
 
 if not torch.cuda.is_available():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe import get_moe_backend
 from swaserve.engine.moe.torch_backend import TorchMoE

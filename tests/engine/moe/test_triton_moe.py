@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-from swaserve.engine.moe.torch_backend import TorchMoE
 
+from swaserve.engine.moe.torch_backend import TorchMoE
 from tests.engine.moe.moe_cases import dense_moe, make_cfg, make_layers, new_seed, rel_err, routing
 
 if not torch.cuda.is_available():

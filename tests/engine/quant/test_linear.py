@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize, dequantize_rows
 from swaserve.engine.quant.linear import embedding, expert_slice, linear, set_cpu_fast_q4

@@ -12,6 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
-
 from tests.engine.scheduler.fakes import CheckingModel, FakeAllocator, RefCache, next_token
 
 try:
