@@ -15,15 +15,25 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-if TYPE_CHECKING:
-    from swaserve.engine.tokenizer import Tokenizer
+
+class TemplateTokenizer(Protocol):
+    """What rendering needs of a tokenizer (engine/tokenizer.py's Tokenizer is one)."""
+
+    bos_token: str
+    eos_token: str
+    bos_id: int
+    add_bos_token: bool
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of text (no BOS added) with each token's (start, end) character span."""
+        ...
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -184,7 +194,7 @@ def _common_prefix_len(a: str, b: str) -> int:
 class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
-    def __init__(self, template_source: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, template_source: str, tokenizer: TemplateTokenizer) -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
         self.source = template_source

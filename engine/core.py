@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from swaserve.engine.kvcache.base import CacheHandle
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -120,13 +122,14 @@ class Req:
     parent: Req | None = None  # n > 1: admitted once this choice's prompt is in the cache
     status: ReqStatus = ReqStatus.WAITING
     # KV state (scheduler/kv_manager.py). token_ids[:num_computed] have KV in the pools; page i of
-    # full_pages / swa_pages holds positions [i * P, (i + 1) * P). Pages [0, tree_len / P) belong to
-    # the prefix cache (kept alive by the lock on `handle`), later ones to this request.
+    # full_pages / swa_pages holds positions [i * page_size, (i + 1) * page_size). Pages
+    # [0, tree_len / page_size) belong to the prefix cache (kept alive by the lock on `handle`),
+    # later ones to this request.
     num_computed: int = 0
     full_pages: list[int] = field(default_factory=list)
     swa_pages: list[int | None] = field(default_factory=list)  # None: SWA KV dropped (out of window)
     tree_len: int = 0
-    handle: object | None = None
+    handle: CacheHandle | None = None
     swa_drop_from: int = 0  # request-owned SWA pages before this page index are already dropped
     prompt_cached: bool = False  # the whole prompt was inserted into the cache once
     cached_tokens: int | None = None  # prompt tokens reused at first admission (exact)

@@ -1,137 +1,81 @@
-"""Engine: owns the model, the KV pools, the prefix cache and the scheduler; runs steps in a loop thread.
+"""The synchronous engine core: requests in (`add_request`), one scheduler step at a time (`step`),
+`RequestOutput`s out. Text is produced here (incremental detokenization, stop strings held back until
+decided and cut from the output: engine/text_stream.py).
 
-Synchronous core (`add_request`, `step`) used by the loop thread and by the offline LLM API; an async
-`generate` for the server bridges through thread-safe queues (submissions, aborts) and, per request,
-an asyncio.Queue fed with loop.call_soon_threadsafe. Text (incremental detokenization, stop strings
-held back until decided and cut from the output: engine/text_stream.py) is produced here, on the loop
-thread.
+Single-threaded by contract: the offline API (`swaserve.llm.LLM`) calls it directly, the server
+drives it through the asynchronous front (engine/async_engine.py), which owns the thread it runs on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import os
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
-from swaserve.engine.core import (
-    EngineOverloaded,
-    Req,
-    RequestError,
-    RequestOutput,
-    SamplingParams,
-    TokenLogprob,
-)
+from swaserve.engine.core import Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.engine.model_api import ModelBundle
-from swaserve.engine.scheduler import KVManager, Scheduler, StepOutput, make_reqs
+from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text_stream import TextStream
-from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
 
 log = logging.getLogger("swaserve.engine")
 
 
-class _Track:
-    """Engine-side state of one choice."""
-
-    __slots__ = ("text", "sent_tokens", "done")
-
-    def __init__(self, text: TextStream):
-        self.text = text
-        self.sent_tokens = 0
-        self.done = False
-
-
 class Engine:
-    """See the module docstring and notes/contracts.md (Engine)."""
+    """Owns the model runner, the KV pools, the prefix cache and the scheduler (see the module docstring)."""
 
     def __init__(self, cfg: EngineConfig, bundle: ModelBundle):
-        # One INFO line per finished request; the server logs its own line and turns this off.
-        self.log_requests = True
-        from swaserve.engine.attention.kv_pool import KVPool
-        from swaserve.engine.kvcache import PageAllocator, SWARadixCache
-        from swaserve.engine.model_runner import ModelRunner, plan_kv_pools
+        import torch
 
-        self.config = cfg
-        self.device = bundle.device
         if cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide intra-op pool
         t0 = time.monotonic()
-        mc = bundle.config
-        self.model_config = mc
-        self.model_name = bundle.name
-        self.tokenizer = Tokenizer.from_metadata(bundle.metadata)
-        tmpl = bundle.metadata.get("tokenizer.chat_template")
-        self.chat_template = ChatTemplate(tmpl, self.tokenizer) if tmpl else None
-        self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(mc.eos_token_ids)
-        self.model = bundle.model
-        path = bundle.path
+        parts = build_engine_parts(cfg, bundle)
+        self.config = cfg
+        self.model_config = parts.model_config
+        self.model_name = parts.model_name
+        self.device = parts.device
+        self.context_length = parts.context_length
+        self.tokenizer = parts.tokenizer
+        self.chat_template = parts.chat_template
+        self.eos_ids = parts.eos_ids
+        self.pool = parts.pool
+        self.full_alloc = parts.full_alloc
+        self.swa_alloc = parts.swa_alloc
+        self.cache = parts.cache
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        # MERGE: cfg.debug_checks. Cache integrity after every step (tests, debugging).
+        self.debug_checks = getattr(cfg, "debug_checks", False)
+        self.log_requests = True  # one INFO line per finished request; the server logs its own instead
+        mc = self.model_config
+        log.info("engine for %s ready in %.1fs (%d layers, window %d, context %d, device %s)",
+                 self.model_name, time.monotonic() - t0, mc.num_layers, mc.sliding_window,
+                 self.context_length, self.device)
 
-        cc, sc = cfg.cache, cfg.scheduler
-        context = sc.context_length or mc.context_length
-        plan = plan_kv_pools(mc, cc, sc, context, self.device)  # after the weights: sized from what is left
-        cap = plan.full_pages * cc.page_size
-        if context > cap:
-            log.warning("context length %d exceeds the full KV pool (%d tokens); serving up to %d", context,
-                        cap, cap)
-            context = cap
-        self.context_length = context
-        self.pool = KVPool(mc, plan.full_pages, plan.swa_pages, cc.page_size, plan.dtype, self.device)
-        if self.device.type == "cpu":  # make the pools resident now: memory stays flat while serving
-            for t in (self.pool.full_k, self.pool.full_v, self.pool.swa_k, self.pool.swa_v):
-                t.fill_(0)
-        log.info("KV pools: %s", plan.describe(cc.page_size, mc))
-        self.full_alloc = PageAllocator(plan.full_pages)
-        self.swa_alloc = PageAllocator(plan.swa_pages)
-        enabled = cc.cache_type == "radix"
-        self.cache = SWARadixCache(cc.page_size, mc.sliding_window, self.full_alloc, self.swa_alloc,
-                                   retain_budget=cc.swa_retain_budget, policy=cc.swa_retain_policy,
-                                   enabled=enabled)
-        kv = KVManager(self.cache, self.full_alloc, self.swa_alloc, cc.page_size, mc.sliding_window, enabled)
-        self.scheduler = Scheduler(sc, kv, context)
-        self.runner = ModelRunner(self.model, self.pool, cc.page_size, mc.sliding_window, self.device)
-        self.debug_checks = os.environ.get("SWASERVE_DEBUG", "") not in ("", "0")
-        log.info("engine for %s ready in %.1fs (%s, %d layers, window %d, context %d, device %s)",
-                 self.model_name, time.monotonic() - t0, Path(path).name, mc.num_layers, mc.sliding_window,
-                 context, self.device)
-
-        self._tracks: dict[Req, _Track] = {}
+        self._texts: dict[Req, TextStream] = {}  # choice -> its detokenizer, until it finishes
         self._open: dict[str, list[Req]] = {}  # request id -> its choices, until all finish
         self._seed_counter = itertools.count(1)
-        self._submit_q: queue.SimpleQueue[list[Req]] = queue.SimpleQueue()
-        self._abort_q: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._step_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = False
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
         self.sched_time = 0.0  # seconds in scheduling + cache bookkeeping (schedule + update)
         self.step_time = 0.0  # seconds in whole steps
-        self._stats: dict[str, Any] = {}
-        self._refresh_stats()
 
-    # ---- synchronous core ---------------------------------------------------------------------
+    # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                       anchors: Sequence[int] = ()) -> list[Req]:
-        """Validate and build the Reqs of one request (any thread); RequestError on bad input."""
+        """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input."""
         params.validate(self.tokenizer.vocab_size)
         if any(not 0 <= int(t) < self.model_config.vocab_size for t in prompt_ids):
             raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
         seed = (self.config.seed * 1_000_003 + next(self._seed_counter)) & 0x7FFF_FFFF_FFFF_FFFF
         reqs = make_reqs(request_id, [int(t) for t in prompt_ids], params, context_length=self.context_length,
                          eos_ids=self.eos_ids, seed=seed, anchors=anchors,
-                         share_prompt=self.config.cache.cache_type == "radix")
+                         share_prompt=self.cache.reuses_prefixes)
         now = time.monotonic()
         for r in reqs:
             r.arrival_time = now
@@ -139,50 +83,72 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     anchors: Sequence[int] = ()) -> list[Req]:
-        """Synchronous submission (offline use; not while the loop thread runs)."""
+        """Validate, build and queue one request; returns its choices."""
         reqs = self.make_requests(request_id, prompt_ids, params, anchors)
-        self._add(reqs)
+        self.add_reqs(reqs)
         return reqs
 
-    def _add(self, reqs: list[Req]) -> None:
+    def add_reqs(self, reqs: list[Req]) -> None:
+        """Queue Reqs built by make_requests; RequestError when the request id is in use."""
         rid = reqs[0].request_id
         if rid in self._open:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
         self._open[rid] = reqs
         for r in reqs:
-            self._tracks[r] = _Track(TextStream(self.tokenizer, r.params.stop, r.params.skip_special_tokens))
+            self._texts[r] = TextStream(self.tokenizer, r.params.stop, r.params.skip_special_tokens)
             self.scheduler.add(r)
+
+    def abort(self, request_id: str) -> None:
+        """Abort every choice of a request; its pages are released on the next step."""
+        if request_id in self._open:
+            self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._open) or self.scheduler.has_work()
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step: schedule, run the model, sample, update; returns the new outputs."""
-        with self._step_lock:
-            t0 = time.perf_counter()
-            batch, aborted = self.scheduler.schedule()
-            outs: list[RequestOutput] = []
-            for r in aborted:
-                outs.extend(self._finish_output(r, [], []))
-            for o in outs:
-                self._emit(o)
-            if batch is None:
-                if aborted:  # pages were released: the stats snapshot must show it
-                    self._refresh_stats()
-                return outs
-            t1 = time.perf_counter()
-            tokens, logprobs = self.runner.execute(batch)
-            t2 = time.perf_counter()
-            step_outs = self.scheduler.update(batch, tokens, logprobs)
-            t3 = time.perf_counter()
-            outs.extend(self._process(step_outs))
-            if self.debug_checks:
-                self.scheduler.check_integrity()
-            self.steps += 1
-            self.sched_time += (t1 - t0) + (t3 - t2)
-            self.step_time += time.perf_counter() - t0
-            self._refresh_stats()
+        t0 = time.perf_counter()
+        batch, aborted = self.scheduler.schedule()
+        outs: list[RequestOutput] = []
+        for r in aborted:
+            outs.extend(self._finish_output(r, [], []))
+        if batch is None:
             return outs
+        t1 = time.perf_counter()
+        tokens, logprobs = self.runner.execute(batch)
+        t2 = time.perf_counter()
+        step_outs = self.scheduler.update(batch, tokens, logprobs)
+        t3 = time.perf_counter()
+        outs.extend(self._process(step_outs))
+        if self.debug_checks:
+            self.scheduler.check_integrity()
+        self.steps += 1
+        self.sched_time += (t1 - t0) + (t3 - t2)
+        self.step_time += time.perf_counter() - t0
+        return outs
+
+    def fail_all(self) -> list[str]:
+        """Finish every request in flight with 'abort' and release its pages (after a failed step);
+        returns their request ids."""
+        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for r in reqs:
+            try:
+                self.scheduler.finish(r, "abort")
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("releasing %s failed", r.rid)
+            self._texts.pop(r, None)
+        ids = list({r.request_id: None for r in reqs})
+        for rid in ids:
+            self._open.pop(rid, None)
+        return ids
 
     def _process(self, step_outs: list[StepOutput]) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -194,37 +160,34 @@ class Engine:
             self.generation_tokens_total += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            tr = self._tracks[req]
+            text_stream = self._texts[req]
             lps = [so.logprob] if so.logprob is not None else []
             if req.index == 0 and req.output_len == 1:
                 self.prompt_tokens_total += req.prompt_len
             if so.finished:
                 text, flush = "", True
                 if not (req.finish_reason == "stop" and req.matched_stop == so.token_id):  # stop ids: no text
-                    text, matched = tr.text.push(so.token_id)
+                    text, matched = text_stream.push(so.token_id)
                     if matched is not None:
                         req.finish_reason, req.matched_stop, flush = "stop", matched, False
                 outs.extend(self._finish_output(req, [so.token_id], lps, text, flush=flush))
                 continue
-            text, matched = tr.text.push(so.token_id)
+            text, matched = text_stream.push(so.token_id)
             if matched is not None:
                 self.scheduler.finish(req, "stop", matched)
                 outs.extend(self._finish_output(req, [so.token_id], lps, text, flush=False))
                 continue
-            tr.sent_tokens += 1
             outs.append(RequestOutput(req.request_id, req.index, text, [so.token_id], lps or None, False,
                                       None, req.prompt_len, req.cached_tokens or 0, req.output_len))
-        for o in outs:
-            self._emit(o)
         return outs
 
     def _finish_output(self, req: Req, new_ids: list[int], lps: list[TokenLogprob], text: str = "",
                        flush: bool = True) -> list[RequestOutput]:
-        tr = self._tracks.pop(req, None)
-        if tr is None:
+        text_stream = self._texts.pop(req, None)
+        if text_stream is None:
             return []
         if flush:
-            more, matched = tr.text.finish()
+            more, matched = text_stream.finish()
             text += more
             if matched is not None:
                 req.finish_reason, req.matched_stop = "stop", matched
@@ -242,161 +205,36 @@ class Engine:
         end = max(c.finish_time or 0.0 for c in choices)
         ttft = (r0.first_token_time - r0.arrival_time) if r0.first_token_time is not None else float("nan")
         emit = log.info if self.log_requests else log.debug
-        emit("request %s: prompt %d tokens, cached %d, completion %d, ttft %.3fs, total %.3fs, "
-                  "finish %s", r0.request_id, r0.prompt_len, r0.cached_tokens or 0,
-                  sum(c.output_len for c in choices), ttft, end - r0.arrival_time,
-                  ",".join(str(c.finish_reason) for c in choices))
+        emit("request %s: prompt %d tokens, cached %d, completion %d, ttft %.3fs, total %.3fs, finish %s",
+             r0.request_id, r0.prompt_len, r0.cached_tokens or 0, sum(c.output_len for c in choices), ttft,
+             end - r0.arrival_time, ",".join(str(c.finish_reason) for c in choices))
 
-    # ---- background loop and async API ----------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="swaserve-engine", daemon=True)
-        self._thread.start()
-
-    def shutdown(self) -> None:
-        if self._thread is None:
-            return
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-        self._thread = None
-        for rid in list(self._streams):  # streams still open will get no more outputs
-            self._emit_error(rid, RuntimeError("the engine was shut down"))
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                reqs = self._submit_q.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                self._add(reqs)
-            except RequestError as e:
-                self._emit_error(reqs[0].request_id, e)
-        while True:
-            try:
-                rid = self._abort_q.get_nowait()
-            except queue.Empty:
-                break
-            if rid in self._open:
-                self.scheduler.abort(rid)
-
-    def _loop(self) -> None:
-        while not self._stop:
-            self._drain()
-            if not self.scheduler.has_work():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                self.step()
-            except Exception as e:  # a failed step fails the requests in flight, the engine lives on
-                log.exception("engine step failed")
-                self._fail_all(e)
-
-    def _fail_all(self, exc: Exception) -> None:
-        with self._step_lock:
-            reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-            for r in reqs:
-                try:
-                    self.scheduler.finish(r, "abort")
-                except Exception:  # noqa: BLE001 - keep failing the others
-                    log.exception("releasing %s failed", r.rid)
-                self._tracks.pop(r, None)
-            for rid in {r.request_id for r in reqs}:
-                self._open.pop(rid, None)
-                self._emit_error(rid, RuntimeError(f"engine error: {exc}"))
-            self._refresh_stats()
-
-    def _emit(self, out: RequestOutput) -> None:
-        s = self._streams.get(out.request_id)
-        if s is None:
-            return
-        loop, q = s
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, out)
-        except RuntimeError:  # the consumer's event loop is gone
-            self.abort(out.request_id)
-
-    def _emit_error(self, request_id: str, exc: BaseException) -> None:
-        s = self._streams.get(request_id)
-        if s is not None:
-            try:
-                s[0].call_soon_threadsafe(s[1].put_nowait, exc)
-            except RuntimeError:
-                pass
-
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       anchors: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs of every choice; RequestError / EngineOverloaded before any output."""
-        reqs = self.make_requests(request_id, prompt_ids, params, anchors)
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        if len(self.scheduler.waiting) + self._submit_q.qsize() >= self.config.scheduler.max_queued_requests:
-            raise EngineOverloaded(f"the engine queue is full ({self.config.scheduler.max_queued_requests} "
-                                   "requests waiting)")
-        if self._thread is None:
-            self.start()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._submit_q.put(reqs)
-        self._wake.set()
-        done: set[int] = set()
-        try:
-            while len(done) < len(reqs):
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    done.add(item.index)
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if len(done) < len(reqs):
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """Abort every choice of a request (thread-safe); pages are released on the next step."""
-        if self._thread is None:
-            if request_id in self._open:
-                self.scheduler.abort(request_id)
-            return
-        self._abort_q.put(request_id)
-        self._wake.set()
-
-    # ---- introspection --------------------------------------------------------------------------
-    def _refresh_stats(self) -> None:
+    # ---- introspection -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths, both pools' pages (total / free / used by requests / cached), prefix-cache
+        counters and token totals."""
         sched = self.scheduler
-        uf, us = sched.kv.used_pages(sched.running)
+        used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
-        for name, alloc, used in (("full_pool", self.full_alloc, uf), ("swa_pool", self.swa_alloc, us)):
+        for name, alloc, used in (("full_pool", self.full_alloc, used_full),
+                                  ("swa_pool", self.swa_alloc, used_swa)):
             total, free = alloc.num_total, alloc.num_free
             pools[name] = {"total": total, "free": free, "used": used, "cached": total - free - used,
                            "usage": used / total if total else 0.0}
-        self._stats = {
+        return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             **pools,
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "num_preemptions": sched.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
         }
-
-    def stats(self) -> dict[str, Any]:
-        """Snapshot taken after the last step (thread-safe)."""
-        out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
-        out["waiting"] += self._submit_q.qsize()
-        out["prompt_tokens_total"] = self.prompt_tokens_total
-        out["generation_tokens_total"] = self.generation_tokens_total
-        return out
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; False (nothing done) while requests run or wait."""
-        with self._step_lock:
-            if self.scheduler.running or self.scheduler.waiting or self._submit_q.qsize() or self._open:
-                return False
-            self.cache.reset()
-            self._refresh_stats()
-            return True
+        if self.scheduler.running or self.scheduler.waiting or self._open:
+            return False
+        self.cache.reset()
+        return True

@@ -1,92 +1,18 @@
-"""Glue between the scheduler's Batch and the model: attention metadata, forward, logits, sampling.
-
-Also sizes the two KV pools (plan_kv_pools):
-  * explicit token counts (CacheConfig.full_tokens / swa_tokens, `--max-total-tokens`), or
-  * a memory budget (`--kv-cache-memory-gb`) split so that swa_tokens = ratio * full_tokens, or
-  * the default: on CPU full = min(context, 65536) tokens, SWA = ratio * full; on CUDA 85% of the
-    device memory left after the weights, split like a budget.
-The SWA pool must hold max_running_requests windows (plus a page and a decode page each) and one
-prefill chunk; default sizing grows it to that, explicit sizing that is too small is an error.
-"""
+"""Glue between the scheduler's Batch and the model: attention metadata, forward, logits, sampling."""
 
 from __future__ import annotations
-
-import logging
-from dataclasses import dataclass
 
 import torch
 
 from swaserve.engine.attention.base import AttentionMetadata
-from swaserve.engine.attention.kv_pool import KVPool, bytes_per_token, resolve_kv_dtype
-from swaserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.core import Batch, TokenLogprob
+from swaserve.engine.model_api import CausalLM
 from swaserve.engine.sampling import SampleRow, make_generator, sample
-
-log = logging.getLogger(__name__)
-
-CPU_DEFAULT_FULL_TOKENS = 65536
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    full_pages: int
-    swa_pages: int
-    dtype: torch.dtype
-
-    def describe(self, page_size: int, cfg: ModelConfig) -> str:
-        bf, bs = bytes_per_token(cfg, self.dtype)
-        ft, st = self.full_pages * page_size, self.swa_pages * page_size
-        return (f"full pool {ft} tokens ({ft * bf / 2**20:.0f} MiB), SWA pool {st} tokens "
-                f"({st * bs / 2**20:.0f} MiB), {str(self.dtype).removeprefix('torch.')}")
-
-
-def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> int:
-    """SWA pages needed so that every running request can hold its window and one chunk can run."""
-    per_req = _cdiv(cfg.sliding_window, page_size) + 2
-    return sched.max_running_requests * per_req + _cdiv(sched.chunked_prefill_size, page_size) + 1
-
-
-def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, context_length: int,
-                  device: torch.device) -> PoolPlan:
-    """Pool sizes in pages (see the module docstring); ValueError when explicit sizes are too small."""
-    P = cache.page_size
-    dtype = resolve_kv_dtype(cache.kv_cache_dtype, device)
-    bf, bs = bytes_per_token(cfg, dtype)
-    ratio = cache.swa_full_tokens_ratio
-    need_swa = min_swa_pages(cfg, P, sched)
-    explicit = cache.full_tokens is not None or cache.kv_cache_memory_gb is not None
-    if cache.full_tokens is not None:
-        full_tokens = cache.full_tokens
-        swa_tokens = cache.swa_tokens if cache.swa_tokens is not None else int(full_tokens * ratio)
-    else:
-        if cache.kv_cache_memory_gb is not None:
-            budget = cache.kv_cache_memory_gb * 2**30
-        elif device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = 0.85 * free
-        else:
-            budget = None
-        if budget is None:
-            full_tokens = min(context_length, CPU_DEFAULT_FULL_TOKENS)
-            swa_tokens = int(full_tokens * ratio)
-        else:
-            full_tokens = int(budget / (bf + ratio * bs))
-            swa_tokens = int(full_tokens * ratio)
-    full_pages = max(1, full_tokens // P)
-    swa_pages = swa_tokens // P
-    if swa_pages < need_swa:
-        if explicit:
-            raise ValueError(
-                f"the SWA KV pool ({swa_pages * P} tokens) cannot hold --max-running-requests "
-                f"{sched.max_running_requests} windows of {cfg.sliding_window} tokens plus one "
-                f"--chunked-prefill-size chunk of {sched.chunked_prefill_size} (needs {need_swa * P} "
-                f"tokens): raise --swa-full-tokens-ratio or the pool size, or lower --max-running-requests")
-        swa_pages = need_swa
-    return PoolPlan(full_pages, swa_pages, dtype)
 
 
 def build_metadata(batch: Batch, page_size: int, window: int, device: torch.device | str = "cpu"
@@ -122,15 +48,15 @@ def build_metadata(batch: Batch, page_size: int, window: int, device: torch.devi
 class ModelRunner:
     """Runs one Batch: forward over the paged pools, logits of the sampling rows, sampling."""
 
-    def __init__(self, model, pool: KVPool, page_size: int, window: int, device: torch.device):
+    def __init__(self, model: CausalLM, pool: KVPool, page_size: int, window: int, device: torch.device):
         self.model = model
         self.pool = pool
-        self.P = page_size
-        self.W = window
+        self.page_size = page_size
+        self.window = window
         self.device = device
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        meta = build_metadata(batch, self.P, self.W, self.device)
+        meta = build_metadata(batch, self.page_size, self.window, self.device)
         ids = torch.tensor(batch.input_ids(), dtype=torch.int64, device=self.device)  # [T]
         hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
         cu = meta.cu_q_lens

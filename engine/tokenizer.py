@@ -14,9 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from swaserve.engine.chat_template import ChatPrompt, ChatTemplate
-
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplate", "ChatPrompt"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
 log = logging.getLogger(__name__)
 

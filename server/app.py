@@ -1,7 +1,7 @@
 """build_app(engine, ServerConfig) -> FastAPI.
 
-`engine` is a started Engine, or a zero-argument callable that builds one: then the app answers at once
-(/health is 503 "loading") and the engine loads in a background thread, started by the app's lifespan.
+`engine` is a started AsyncEngine, or a zero-argument callable that builds one: then the app answers
+at once (/health is 503 "loading") and the engine loads in a background thread, started by the app's lifespan.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from swaserve.server.routes_misc import router as misc_router
 from swaserve.server.state import ServerConfig, ServerState
 
 if TYPE_CHECKING:
-    from swaserve.engine.engine import Engine
+    from swaserve.engine.async_engine import AsyncEngine
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
 
@@ -49,8 +49,9 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine | Callable[[], Engine], cfg: ServerConfig | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (an Engine, or a loader callable run in a thread)."""
+def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
+              cfg: ServerConfig | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (an AsyncEngine, or a loader callable run in a thread)."""
     cfg = cfg or ServerConfig()
     if callable(engine) and not hasattr(engine, "generate"):
         state = ServerState(cfg, None, loader=engine)

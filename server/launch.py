@@ -76,10 +76,11 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_bind(args.host, args.port)
 
     def load():
+        from swaserve.engine.async_engine import AsyncEngine
         from swaserve.engine.engine import Engine
         from swaserve.models.registry import load_model
 
-        return Engine(engine_cfg, load_model(engine_cfg, progress=True))
+        return AsyncEngine(Engine(engine_cfg, load_model(engine_cfg, progress=True)))
 
     app = build_app(load, server_cfg)
     state = app.state.swa

@@ -6,17 +6,14 @@ latency histograms are observed by the server per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from swaserve.server.state import ServerState
-
-P = "swaserve:"
+PREFIX = "swaserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -35,23 +32,24 @@ def _pool_usage(pool: dict[str, Any]) -> float:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, state: ServerState):
-        self.state = state
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: Callable[[], str]):
+        self.stats = stats
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.state.stats()
+        stats = self.stats()
         if stats is None:
             return
-        model = self.state.model_name
+        model = self.model_name()
         labels = ["model_name"]
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric([model], float(value))
             return c
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             g.add_metric([model], float(value))
             return g
 
@@ -64,10 +62,10 @@ class _EngineCollector(Collector):
                       stats.get("prefix_cache_hit_tokens", 0))
         yield gauge("num_requests_running", "Requests in the running batch.", stats.get("running", 0))
         yield gauge("num_requests_waiting", "Requests waiting to be admitted.", stats.get("waiting", 0))
-        usage = GaugeMetricFamily(P + "kv_cache_usage_perc",
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                                   "KV pool usage (1 = full) per pool, as the engine reports it.",
                                   labels=["model_name", "pool"])
-        pages = GaugeMetricFamily(P + "kv_cache_pages", "KV pool pages by state.",
+        pages = GaugeMetricFamily(PREFIX + "kv_cache_pages", "KV pool pages by state.",
                                   labels=["model_name", "pool", "state"])
         for pool in ("full", "swa"):
             ps = stats.get(f"{pool}_pool") or {}
@@ -80,16 +78,18 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    """The registry plus the per-request histograms the server observes."""
+    """The registry plus the per-request histograms the server observes. `stats` returns the engine's
+    stats (None while it loads), `model_name` the served name; both are read at scrape time."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, stats: Callable[[], dict[str, Any] | None], model_name: Callable[[], str]):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(state))
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
+        self.registry.register(_EngineCollector(stats, model_name))
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive output tokens.",
                              buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:

@@ -98,6 +98,6 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
 @router.post("/reset_prefix_cache")
 async def flush_cache(request: Request) -> Response:
     engine = _state(request).ready_engine()
-    if not engine.flush_cache():
+    if not await engine.flush_cache():
         raise APIError(400, "cannot flush the cache while requests are running", None, "requests_running")
     return JSONResponse({"status": "ok", "message": "cache flushed"})

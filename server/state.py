@@ -14,7 +14,7 @@ from swaserve.server.metrics import Metrics
 from swaserve.server.reasoning import SpecialText
 
 if TYPE_CHECKING:
-    from swaserve.engine.engine import Engine
+    from swaserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("swaserve.server")
 
@@ -30,14 +30,14 @@ class ServerConfig:
 class ServerState:
     """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
 
-    def __init__(self, cfg: ServerConfig, engine: Engine | None,
-                 loader: Callable[[], Engine] | None = None):
+    def __init__(self, cfg: ServerConfig, engine: AsyncEngine | None,
+                 loader: Callable[[], AsyncEngine] | None = None):
         self.cfg = cfg
-        self.engine: Engine | None = engine
+        self.engine: AsyncEngine | None = engine
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.stats, lambda: self.model_name)
         self.created = int(time.time())
         self._special: SpecialText | None = None
         self._thread: threading.Thread | None = None
@@ -78,7 +78,7 @@ class ServerState:
             self.engine.shutdown()
 
     # --- accessors -----------------------------------------------------------------------------
-    def ready_engine(self) -> Engine:
+    def ready_engine(self) -> AsyncEngine:
         if self.engine is not None:
             return self.engine
         if self.load_error is not None:

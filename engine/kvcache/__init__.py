@@ -1,7 +1,9 @@
-"""Paged KV bookkeeping: page allocators and the SWA-aware radix prefix cache (pure Python, no torch)."""
+"""Paged KV bookkeeping: page allocators and the prefix caches (pure Python, no torch)."""
 
 from swaserve.engine.kvcache.allocator import PageAllocator
-from swaserve.engine.kvcache.base import InsertResult, Match, PrefixCache
+from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
+from swaserve.engine.kvcache.naive_cache import NaiveCache
 from swaserve.engine.kvcache.radix_cache import SWARadixCache
 
-__all__ = ["InsertResult", "Match", "PageAllocator", "PrefixCache", "SWARadixCache"]
+__all__ = ["CacheHandle", "InsertResult", "Match", "NaiveCache", "PageAllocator", "PrefixCache",
+           "SWARadixCache"]

@@ -1,4 +1,19 @@
-"""The prefix-cache interface: token ids and page ids in, opaque handles out; knows nothing of requests."""
+"""The prefix-cache interface: token ids and page ids in, typed handles out; knows nothing of requests.
+
+Two pools back every cache: full-attention pages (one id covers `page_size` tokens of every full
+layer) and sliding-window (SWA) pages (the same tokens of every sliding layer). A page index i of a
+sequence holds tokens [i * page_size, (i + 1) * page_size).
+
+Caller protocol (engine/scheduler/kv_manager.py follows it):
+  * m = match(ids); lock(m.handle) before anything can evict (an allocation, another insert); the
+    request's page tables start as m.full_pages / m.swa_pages: pages of [0, m.reused_len) are the
+    cache's.
+  * after computing KV up to L: r = insert(ids[:L], full, swa, anchors, prompt_len); pass None as
+    the SWA entry of every page the cache owns (or the cache's own id), and your own ids (or None
+    where you dropped the SWA KV) for pages you own. Adopt r.full_pages / r.swa_pages, lock
+    r.handle, unlock the old handle. Pages of [0, r.inserted_len) now belong to the cache.
+  * at finish: insert(..., finished=True), unlock, free your pages of [r.inserted_len, ...).
+"""
 
 from __future__ import annotations
 
@@ -8,56 +23,91 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class CacheHandle:
+    """A position in a cache (the end of a matched or inserted prefix). Opaque to callers: they only
+    pass it back to lock() / unlock(). Each cache subclasses it (the radix cache's nodes are handles)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class Match:
-    reused_len: int  # X: page-aligned number of prompt tokens whose KV can be reused
-    handle: Any  # lock it before anything can evict (allocation, another insert's eviction)
-    full_pages: list[int]  # X / P full-pool page ids for [0, X)
-    swa_pages: list[int | None]  # X / P entries; live ids on the window [X - W, X), None before it
+    reused_len: int  # page-aligned number of prompt tokens whose KV can be reused
+    handle: CacheHandle  # lock it before anything can evict
+    full_pages: list[int]  # reused_len / page_size full-pool page ids for [0, reused_len)
+    swa_pages: list[int | None]  # same length; live ids on the window before reused_len, None before it
 
 
 @dataclass(frozen=True)
 class InsertResult:
-    handle: Any  # the node ending at inserted_len; not locked
-    full_pages: list[int]  # the caller's list with [0, inserted_len / P) replaced by the cache's ids
-    swa_pages: list[int | None]  # same; None before the window [inserted_len - W, inserted_len)
-    inserted_len: int  # floor(len(token_ids) / P) * P; pages before it now belong to the cache
+    handle: CacheHandle  # the position at inserted_len; not locked
+    full_pages: list[int]  # the caller's list with [0, inserted_len / page_size) replaced by the cache's ids
+    swa_pages: list[int | None]  # same; None before the window that ends at inserted_len
+    inserted_len: int  # pages before it now belong to the cache
 
 
 class PrefixCache(ABC):
-    """A paged prefix cache over two pools (full-attention and sliding-window KV)."""
+    """A paged prefix cache over the full-attention and SWA page pools."""
+
+    @property
+    @abstractmethod
+    def reuses_prefixes(self) -> bool:
+        """False for a cache that never reuses anything (then n > 1 choices do not wait for the first
+        choice's prompt to be cached)."""
 
     @abstractmethod
-    def match(self, token_ids: Sequence[int]) -> Match: ...
+    def match(self, token_ids: Sequence[int]) -> Match:
+        """The longest reusable prefix of token_ids, page-aligned and at most len(token_ids) - 1 (the
+        last token is always recomputed). Updates access times; does not lock."""
 
     @abstractmethod
     def insert(self, token_ids: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[int | None],
                anchors: Sequence[int] = (), prompt_len: int | None = None,
-               finished: bool = False) -> InsertResult: ...
+               finished: bool = False) -> InsertResult:
+        """Hand the KV of token_ids[:floor(len / page_size) * page_size] to the cache.
+
+        full_pages / swa_pages: the caller's page ids of those pages (see the module docstring for
+        which entries may be None). Where the cache already holds a page, the caller's different id is
+        freed and the cache's id returned. anchors (token offsets, e.g. chat-message starts),
+        prompt_len and, with finished=True, the sequence end mark positions where a later request is
+        likely to diverge; a cache may keep the sliding-window KV in front of them longer. Raises
+        ValueError when fewer page ids than pages are given."""
 
     @abstractmethod
-    def lock(self, handle: Any) -> None: ...
+    def lock(self, handle: CacheHandle) -> None:
+        """Protect the pages a request reuses through `handle` from eviction until unlock()."""
 
     @abstractmethod
-    def unlock(self, handle: Any) -> None: ...
+    def unlock(self, handle: CacheHandle) -> None:
+        """Undo one lock(handle)."""
 
     @abstractmethod
-    def evict_full(self, n: int) -> int: ...
+    def evict_full(self, num_pages: int) -> int:
+        """Free at least num_pages full-attention pages if possible (never a locked one); returns how
+        many were freed (their SWA pages are freed too)."""
 
     @abstractmethod
-    def evict_swa(self, n: int) -> int: ...
+    def evict_swa(self, num_pages: int) -> int:
+        """Free at least num_pages SWA pages if possible (never a locked one); returns how many."""
 
     @abstractmethod
-    def evictable_full(self) -> int: ...
+    def evictable_full(self) -> int:
+        """Full-attention pages the cache holds that evict_full could free now."""
 
     @abstractmethod
-    def evictable_swa(self) -> int: ...
+    def evictable_swa(self) -> int:
+        """SWA pages the cache holds that evict_swa could free now."""
 
     @abstractmethod
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and tests: at least full_cached, swa_cached (pages held), nodes."""
 
     @abstractmethod
-    def check_integrity(self, used_full: int | None = None, used_swa: int | None = None) -> None: ...
+    def check_integrity(self, used_full: int | None = None, used_swa: int | None = None) -> None:
+        """AssertionError on any broken invariant; with the pages held by requests given, also
+        free + used + cached == total for each pool."""
 
     @abstractmethod
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Drop everything cached (RuntimeError while a handle is locked); every page returns to its
+        allocator."""

@@ -15,59 +15,66 @@ from __future__ import annotations
 
 import heapq
 
+from swaserve.engine.kvcache.allocator import PageAllocator
 from swaserve.engine.kvcache.node import Node, page_key, path_ranges
 
 
 class EvictionMixin:
     # provided by SWARadixCache
-    P: int
-    W: int
+    page_size: int
+    window: int
     root: Node
     _nodes: set[Node]
-    n_full: int
-    n_swa: int
+    full_cached: int
+    swa_cached: int
+    full_alloc: PageAllocator
+    swa_alloc: PageAllocator
+    evicted_full_pages: int
+    evicted_swa_pages: int
+    trimmed_swa_pages: int
 
-    def window_lo(self, k: int) -> int:
+    def window_start(self, k: int) -> int:
         raise NotImplementedError
 
-    def _bump_prot(self, node: Node, lo: int, hi: int, d: int) -> None:
+    def _add_protection(self, node: Node, lo: int, hi: int, d: int) -> None:
         raise NotImplementedError
 
     # ---- SWA pool ---------------------------------------------------------------------------
-    def evict_swa(self, n: int) -> int:
-        """Free at least n SWA pages if possible (never a locked one); returns the number freed."""
-        if n <= 0 or not self.n_swa:
+    def evict_swa(self, num_pages: int) -> int:
+        """Free at least num_pages SWA pages if possible (never a locked one); returns the number freed."""
+        if num_pages <= 0 or not self.swa_cached:
             return 0
         freed: list[int] = []
-        for nd in sorted((x for x in self._nodes if x.live and 0 in x.prot), key=lambda x: (x.time, x.start)):
-            swa, locks, prot = nd.swa, nd.swa_lock, nd.prot
+        candidates = (x for x in self._nodes if x.live_swa and 0 in x.protect_counts)
+        for nd in sorted(candidates, key=lambda x: (x.last_access, x.start_page)):
+            swa, locks, prot = nd.swa_pages, nd.swa_locks, nd.protect_counts
             for i, s in enumerate(swa):
                 if s is not None and not locks[i] and not prot[i]:
                     freed.append(s)
                     swa[i] = None
-                    nd.live -= 1
-                    if len(freed) >= n:
+                    nd.live_swa -= 1
+                    if len(freed) >= num_pages:
                         break
-            if len(freed) >= n:
+            if len(freed) >= num_pages:
                 break
-        if len(freed) < n:
+        if len(freed) < num_pages:
             # LRU by the anchor node's subtree recency; on a tie (one path) the deeper anchor first
-            anchors = [(nd.time, -hi, id(nd), nd) for nd in self._nodes for hi in nd.anchors]
+            anchors = [(nd.last_access, -hi, id(nd), nd) for nd in self._nodes for hi in nd.anchors]
             anchors.sort(key=lambda t: t[:3])
             for _, neg_hi, _, nd in anchors:
                 hi = -neg_hi
-                if len(freed) >= n:
+                if len(freed) >= num_pages:
                     break
                 lo = nd.anchors.pop(hi)
-                self._bump_prot(nd, lo, hi, -1)
+                self._add_protection(nd, lo, hi, -1)
                 for x, a, b in path_ranges(nd, lo, hi):
-                    swa, locks, prot = x.swa, x.swa_lock, x.prot
+                    swa, locks, prot = x.swa_pages, x.swa_locks, x.protect_counts
                     for i in range(a, b):
                         if swa[i] is not None and not locks[i] and not prot[i]:
                             freed.append(swa[i])  # type: ignore[arg-type]
                             swa[i] = None
-                            x.live -= 1
-        self.n_swa -= len(freed)
+                            x.live_swa -= 1
+        self.swa_cached -= len(freed)
         self.evicted_swa_pages += len(freed)
         self.swa_alloc.free(freed)
         return len(freed)
@@ -76,79 +83,80 @@ class EvictionMixin:
         """Eager policy: free the unlocked SWA pages of pages [0, keep_from) of this path."""
         freed: list[int] = []
         for nd in path:
-            if nd.start >= keep_from:
+            if nd.start_page >= keep_from:
                 break
-            swa, locks = nd.swa, nd.swa_lock
-            for i in range(min(len(swa), keep_from - nd.start)):
+            swa, locks = nd.swa_pages, nd.swa_locks
+            for i in range(min(len(swa), keep_from - nd.start_page)):
                 s = swa[i]
                 if s is not None and not locks[i]:
                     freed.append(s)
                     swa[i] = None
-                    nd.live -= 1
-        self.n_swa -= len(freed)
+                    nd.live_swa -= 1
+        self.swa_cached -= len(freed)
         self.trimmed_swa_pages += len(freed)
         self.swa_alloc.free(freed)
 
     # ---- full pool --------------------------------------------------------------------------
-    def evict_full(self, n: int) -> int:
-        """Free at least n full pages if possible (never a locked node); returns the number freed.
+    def evict_full(self, num_pages: int) -> int:
+        """Free at least num_pages full pages if possible (never a locked node); returns the number freed.
         The SWA pages of removed pages are freed as well."""
-        if n <= 0 or not self.n_full:
+        if num_pages <= 0 or not self.full_cached:
             return 0
-        before = self.n_full
+        before = self.full_cached
         reach = self._reuse_ends()
 
         def dead_from(nd: Node) -> int:
-            return max(reach[nd], nd.start)
+            return max(reach[nd], nd.start_page)
 
-        heap = [(nd.time, nd.start, id(nd), nd) for nd in self._nodes
-                if not nd.children and not nd.full_lock and dead_from(nd) < nd.end]
+        heap = [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
+                if not nd.children and not nd.full_locks and dead_from(nd) < nd.end_page]
         heapq.heapify(heap)
-        while heap and before - self.n_full < n:  # 1: KV no surviving window can reach
+        while heap and before - self.full_cached < num_pages:  # 1: KV no surviving window can reach
             nd = heapq.heappop(heap)[3]
             cut = dead_from(nd)
-            if cut > nd.start:
-                self._truncate(nd, cut - nd.start)
+            if cut > nd.start_page:
+                self._truncate(nd, cut - nd.start_page)
                 continue
             parent = nd.parent
             self._remove(nd)
-            if parent is not self.root and not parent.children and not parent.full_lock \
-                    and dead_from(parent) < parent.end:
-                heapq.heappush(heap, (parent.time, parent.start, id(parent), parent))
-        heap = [(nd.time, nd.start, id(nd), nd) for nd in self._nodes if not nd.children and not nd.full_lock]
+            if parent is not self.root and not parent.children and not parent.full_locks \
+                    and dead_from(parent) < parent.end_page:
+                heapq.heappush(heap, (parent.last_access, parent.start_page, id(parent), parent))
+        heap = [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
+                if not nd.children and not nd.full_locks]
         heapq.heapify(heap)
-        while heap and before - self.n_full < n:  # 2: LRU unlocked leaves
+        while heap and before - self.full_cached < num_pages:  # 2: LRU unlocked leaves
             nd = heapq.heappop(heap)[3]
             parent = nd.parent
             self._remove(nd)
-            if parent is not self.root and not parent.children and not parent.full_lock:
-                heapq.heappush(heap, (parent.time, parent.start, id(parent), parent))
-        freed = before - self.n_full
+            if parent is not self.root and not parent.children and not parent.full_locks:
+                heapq.heappush(heap, (parent.last_access, parent.start_page, id(parent), parent))
+        freed = before - self.full_cached
         self.evicted_full_pages += freed
         return freed
 
     def _reuse_ends(self) -> dict[Node, int]:
         """Per node: the deepest page boundary k in (start, end] where reuse is possible (all window
         pages live), or -1."""
-        P, W = self.P, self.W
+        P, W = self.page_size, self.window
         out: dict[Node, int] = {}
         stack = [(c, 0) for c in self.root.children.values()]
         while stack:
             nd, run = stack.pop()  # run: live SWA pages in a row ending just before nd
-            if nd.live == len(nd.swa):  # all live: the run only grows, the need is flat or grows with it
-                run += nd.live
-                k = nd.end
+            if nd.live_swa == len(nd.swa_pages):  # all live: the run only grows, the need is flat or grows
+                run += nd.live_swa
+                k = nd.end_page
                 out[nd] = k if run >= k - max(0, k * P - W) // P else -1
             else:  # along a run of live pages run - need never decreases: test each run's end
-                n = len(nd.swa)
-                mask = bytes([s is not None for s in nd.swa])
+                n = len(nd.swa_pages)
+                mask = bytes([s is not None for s in nd.swa_pages])
                 best, e = -1, n
                 while e > 0:
                     z = mask.rfind(0, 0, e)  # the last hole before e
                     if z == e - 1:
                         e = mask.rfind(1, 0, z) + 1  # skip the holes
                         continue
-                    k = nd.start + e
+                    k = nd.start_page + e
                     if e - z - 1 + (run if z < 0 else 0) >= k - max(0, k * P - W) // P:
                         best = k
                         break
@@ -160,34 +168,34 @@ class EvictionMixin:
 
     def _drop_anchors_after(self, nd: Node, cut: int) -> None:
         for hi in [h for h in nd.anchors if h > cut]:
-            self._bump_prot(nd, nd.anchors.pop(hi), hi, -1)
+            self._add_protection(nd, nd.anchors.pop(hi), hi, -1)
 
     def _truncate(self, nd: Node, m: int) -> None:
         """Drop all pages of the unlocked leaf nd after its first m."""
-        assert not nd.full_lock and not nd.children and 0 < m < len(nd.full)
-        self._drop_anchors_after(nd, nd.start + m)
-        dropped_full = nd.full[m:]
-        dropped_swa = [s for s in nd.swa[m:] if s is not None]
-        nd.tokens = nd.tokens[:m * self.P]
-        nd.full = nd.full[:m]
-        nd.swa = nd.swa[:m]
-        nd.swa_lock = nd.swa_lock[:m]
-        nd.prot = nd.prot[:m]
-        nd.live -= len(dropped_swa)
+        assert not nd.full_locks and not nd.children and 0 < m < len(nd.full_pages)
+        self._drop_anchors_after(nd, nd.start_page + m)
+        dropped_full = nd.full_pages[m:]
+        dropped_swa = [s for s in nd.swa_pages[m:] if s is not None]
+        nd.tokens = nd.tokens[:m * self.page_size]
+        nd.full_pages = nd.full_pages[:m]
+        nd.swa_pages = nd.swa_pages[:m]
+        nd.swa_locks = nd.swa_locks[:m]
+        nd.protect_counts = nd.protect_counts[:m]
+        nd.live_swa -= len(dropped_swa)
         self._free_pages(dropped_full, dropped_swa)
 
     def _remove(self, nd: Node) -> None:
         """Remove the unlocked leaf nd and free its pages."""
-        assert not nd.full_lock and not nd.children and nd.parent is not None
-        self._drop_anchors_after(nd, nd.start)
-        del nd.parent.children[page_key(nd.tokens, 0, self.P)]
+        assert not nd.full_locks and not nd.children and nd.parent is not None
+        self._drop_anchors_after(nd, nd.start_page)
+        del nd.parent.children[page_key(nd.tokens, 0, self.page_size)]
         self._nodes.discard(nd)
-        nd.dead = True
-        self._free_pages(nd.full, [s for s in nd.swa if s is not None])
+        nd.evicted = True
+        self._free_pages(nd.full_pages, [s for s in nd.swa_pages if s is not None])
 
     def _free_pages(self, full: list[int], swa: list[int]) -> None:
-        self.n_full -= len(full)
-        self.n_swa -= len(swa)
+        self.full_cached -= len(full)
+        self.swa_cached -= len(swa)
         self.evicted_swa_pages += len(swa)
         self.full_alloc.free(full)
         self.swa_alloc.free(swa)

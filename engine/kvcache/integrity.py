@@ -9,12 +9,12 @@ from swaserve.engine.kvcache.node import Node, page_key, path_ranges
 
 def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None:
     """AssertionError on the first violated invariant (see SWARadixCache.check_integrity)."""
-    P = cache.P
+    P = cache.page_size
     fa, sa = cache.full_alloc, cache.swa_alloc
     fa.check()
     sa.check()
     root: Node = cache.root
-    assert not root.full and not root.tokens and root.parent is None
+    assert not root.full_pages and not root.tokens and root.parent is None
     seen_full: set[int] = set()
     seen_swa: set[int] = set()
     nodes: list[Node] = []
@@ -22,23 +22,26 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
     while stack:
         nd = stack.pop()
         for key, ch in nd.children.items():
-            n = len(ch.full)
-            assert ch.parent is nd and not ch.dead, f"{ch}: bad parent link"
+            n = len(ch.full_pages)
+            assert ch.parent is nd and not ch.evicted, f"{ch}: bad parent link"
             assert n >= 1 and len(ch.tokens) == n * P, f"{ch}: edge not page-aligned"
-            assert len(ch.swa) == len(ch.swa_lock) == len(ch.prot) == n, f"{ch}: per-page arrays differ"
+            assert len(ch.swa_pages) == len(ch.swa_locks) == len(ch.protect_counts) == n, \
+                f"{ch}: per-page arrays differ"
             assert key == page_key(ch.tokens, 0, P), f"{ch}: keyed by the wrong page"
-            assert ch.start == nd.end, f"{ch}: starts at {ch.start}, parent ends at {nd.end}"
-            assert ch.time <= nd.time or nd is root, f"{ch}: newer than its parent"
-            assert ch.live == n - ch.swa.count(None), f"{ch}: live count"
-            below = sum(c.full_lock for c in ch.children.values())
-            assert ch.refs >= 0 and ch.full_lock == ch.refs + below, f"{ch}: full lock count"
+            assert ch.start_page == nd.end_page, \
+                f"{ch}: starts at {ch.start_page}, parent ends at {nd.end_page}"
+            assert ch.last_access <= nd.last_access or nd is root, f"{ch}: newer than its parent"
+            assert ch.live_swa == n - ch.swa_pages.count(None), f"{ch}: live count"
+            below = sum(c.full_locks for c in ch.children.values())
+            assert ch.handle_locks >= 0 and ch.full_locks == ch.handle_locks + below, f"{ch}: full lock count"
             for hi, lo in ch.anchors.items():
-                assert ch.start < hi <= ch.end and 0 <= lo < hi, f"{ch}: anchor {lo}..{hi} out of place"
-            for f in ch.full:
+                assert ch.start_page < hi <= ch.end_page and 0 <= lo < hi, \
+                    f"{ch}: anchor {lo}..{hi} out of place"
+            for f in ch.full_pages:
                 assert 0 <= f < fa.num_total and f not in seen_full, f"full page {f} twice in the tree"
                 assert not fa.is_free(f), f"full page {f} in the tree and free"
                 seen_full.add(f)
-            for s in ch.swa:
+            for s in ch.swa_pages:
                 if s is not None:
                     assert 0 <= s < sa.num_total and s not in seen_swa, f"SWA page {s} twice in the tree"
                     assert not sa.is_free(s), f"SWA page {s} in the tree and free"
@@ -46,15 +49,15 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
             nodes.append(ch)
             stack.append(ch)
     assert set(nodes) == cache._nodes and len(nodes) == len(cache._nodes), "node registry out of sync"
-    exp_lock = {id(nd): [0] * len(nd.full) for nd in nodes}
-    exp_prot = {id(nd): [0] * len(nd.full) for nd in nodes}
+    exp_lock = {id(nd): [0] * len(nd.full_pages) for nd in nodes}
+    exp_prot = {id(nd): [0] * len(nd.full_pages) for nd in nodes}
     for nd in nodes:
-        if nd.refs:
-            k = nd.end
-            for x, a, b in path_ranges(nd, cache.window_lo(k), k):
+        if nd.handle_locks:
+            k = nd.end_page
+            for x, a, b in path_ranges(nd, cache.window_start(k), k):
                 arr = exp_lock[id(x)]
                 for i in range(a, b):
-                    arr[i] += nd.refs
+                    arr[i] += nd.handle_locks
         for hi, lo in nd.anchors.items():
             for x, a, b in path_ranges(nd, lo, hi):
                 arr = exp_prot[id(x)]
@@ -62,15 +65,16 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
                     arr[i] += 1
     locked_full = locked_swa = 0
     for nd in nodes:
-        assert nd.swa_lock == exp_lock[id(nd)], f"{nd}: SWA lock counts {nd.swa_lock} != {exp_lock[id(nd)]}"
-        assert nd.prot == exp_prot[id(nd)], f"{nd}: protection counts {nd.prot} != {exp_prot[id(nd)]}"
-        if nd.full_lock:
-            locked_full += len(nd.full)
-        locked_swa += sum(1 for s, c in zip(nd.swa, nd.swa_lock) if s is not None and c)
-    assert cache.n_full == len(seen_full), f"full counter {cache.n_full} != {len(seen_full)}"
-    assert cache.n_swa == len(seen_swa), f"SWA counter {cache.n_swa} != {len(seen_swa)}"
-    assert cache.n_full_locked == locked_full, f"locked full counter {cache.n_full_locked} != {locked_full}"
-    assert cache.n_swa_locked == locked_swa, f"locked SWA counter {cache.n_swa_locked} != {locked_swa}"
+        assert nd.swa_locks == exp_lock[id(nd)], f"{nd}: SWA lock counts {nd.swa_locks} != {exp_lock[id(nd)]}"
+        assert nd.protect_counts == exp_prot[id(nd)], \
+            f"{nd}: protection counts {nd.protect_counts} != {exp_prot[id(nd)]}"
+        if nd.full_locks:
+            locked_full += len(nd.full_pages)
+        locked_swa += sum(1 for s, c in zip(nd.swa_pages, nd.swa_locks) if s is not None and c)
+    assert cache.full_cached == len(seen_full), f"full counter {cache.full_cached} != {len(seen_full)}"
+    assert cache.swa_cached == len(seen_swa), f"SWA counter {cache.swa_cached} != {len(seen_swa)}"
+    assert cache.full_locked == locked_full, f"locked full counter {cache.full_locked} != {locked_full}"
+    assert cache.swa_locked == locked_swa, f"locked SWA counter {cache.swa_locked} != {locked_swa}"
     if used_full is not None:
         assert fa.num_free + used_full + len(seen_full) == fa.num_total, \
             f"full pool: free {fa.num_free} + used {used_full} + cached {len(seen_full)} != {fa.num_total}"

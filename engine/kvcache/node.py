@@ -1,57 +1,63 @@
 """Radix-tree node at page granularity, and the helpers that walk page ranges up a root path.
 
 Positions are absolute page indices along the node's root path: a node covers pages
-[start, end) of every sequence that passes through it; page i holds tokens [i*P, (i+1)*P).
+[start_page, end_page) of every sequence that passes through it; page i holds tokens
+[i * page_size, (i + 1) * page_size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from swaserve.engine.kvcache.base import CacheHandle
 
-class Node:
-    __slots__ = ("parent", "children", "tokens", "full", "swa", "swa_lock", "prot", "anchors",
-                 "start", "time", "full_lock", "refs", "live", "dead")
 
-    def __init__(self, parent: Node | None, start: int, tokens: list[int], full: list[int],
-                 swa: list[int | None], time: int):
-        n = len(full)
+class Node(CacheHandle):
+    """One radix edge of whole pages; also the handle that match() and insert() return."""
+
+    __slots__ = ("parent", "children", "tokens", "full_pages", "swa_pages", "swa_locks", "protect_counts",
+                 "anchors", "start_page", "last_access", "full_locks", "handle_locks", "live_swa", "evicted")
+
+    def __init__(self, parent: Node | None, start_page: int, tokens: list[int], full_pages: list[int],
+                 swa_pages: list[int | None], last_access: int):
+        n = len(full_pages)
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}  # keyed by the child's first page of tokens
-        self.tokens = tokens  # [n * P] token ids of the edge
-        self.full = full  # [n] full-pool page ids
-        self.swa = swa  # [n] SWA-pool page ids, None where evicted (tombstone)
-        self.swa_lock = [0] * n  # [n] locked handles whose last window covers the page
-        self.prot = [0] * n  # [n] anchors whose protected range covers the page
-        self.anchors: dict[int, int] = {}  # hi -> lo (absolute pages, start < hi <= end): protects [lo, hi)
-        self.start = start
-        self.time = time  # last access of this node or anything below it (max over the subtree)
-        self.full_lock = 0  # locked handles at or below this node
-        self.refs = 0  # locked handles exactly at this node
-        self.live = n - swa.count(None)  # live SWA pages
-        self.dead = False
+        self.tokens = tokens  # [n * page_size] token ids of the edge
+        self.full_pages = full_pages  # [n] full-pool page ids
+        self.swa_pages = swa_pages  # [n] SWA-pool page ids, None where evicted (tombstone)
+        self.swa_locks = [0] * n  # [n] locked handles whose last window covers the page
+        self.protect_counts = [0] * n  # [n] anchors whose protected range covers the page
+        # end page -> first protected page (absolute, start_page < end <= end_page): protects [first, end)
+        self.anchors: dict[int, int] = {}
+        self.start_page = start_page
+        self.last_access = last_access  # of this node or anything below it (max over the subtree)
+        self.full_locks = 0  # locked handles at or below this node
+        self.handle_locks = 0  # locked handles exactly at this node
+        self.live_swa = n - swa_pages.count(None)  # live SWA pages
+        self.evicted = False
 
     @property
-    def end(self) -> int:
-        return self.start + len(self.full)
+    def end_page(self) -> int:
+        return self.start_page + len(self.full_pages)
 
     def __repr__(self) -> str:
-        return f"Node([{self.start}, {self.end}) live={self.live} lock={self.full_lock})"
+        return f"Node([{self.start_page}, {self.end_page}) live={self.live_swa} lock={self.full_locks})"
 
 
-def page_key(tokens: list[int], page: int, P: int) -> tuple[int, ...]:
-    return tuple(tokens[page * P:(page + 1) * P])
+def page_key(tokens: list[int], page: int, page_size: int) -> tuple[int, ...]:
+    return tuple(tokens[page * page_size:(page + 1) * page_size])
 
 
-def common_pages(ids: list[int], off: int, tokens: list[int], P: int, max_pages: int) -> int:
+def common_pages(ids: list[int], off: int, tokens: list[int], page_size: int, max_pages: int) -> int:
     """Number of leading whole pages on which ids[off:] and tokens agree (at most max_pages)."""
-    n = max_pages * P
+    n = max_pages * page_size
     if ids[off:off + n] == tokens[:n]:
         return max_pages
     lo, hi = 0, max_pages  # pages [0, lo) agree; [0, hi) do not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if ids[off:off + mid * P] == tokens[:mid * P]:
+        if ids[off:off + mid * page_size] == tokens[:mid * page_size]:
             lo = mid
         else:
             hi = mid
@@ -62,10 +68,10 @@ def path_ranges(node: Node, lo: int, hi: int) -> Iterator[tuple[Node, int, int]]
     """(node, a, b) for the ancestors-or-self of node overlapping pages [lo, hi) of its root path,
     with [a, b) relative to that node; deepest first."""
     nd: Node | None = node
-    while nd is not None and nd.parent is not None and nd.end > lo:
-        s = nd.start
+    while nd is not None and nd.parent is not None and nd.end_page > lo:
+        s = nd.start_page
         a = lo - s if lo > s else 0
-        b = min(hi, nd.end) - s
+        b = min(hi, nd.end_page) - s
         if b > a:
             yield nd, a, b
         nd = nd.parent

@@ -1,19 +1,20 @@
 """Page bookkeeping of running requests over the two pools and the prefix cache (pure Python).
 
-A request's pages [0, tree_len / P) are the cache's (held by the lock on req.handle: full pages
-root..handle and the SWA pages of the handle's last window); later pages are the request's own.
+A request's pages [0, tree_len / page_size) are the cache's (held by the lock on req.handle: full
+pages root..handle and the SWA pages of the handle's last window); later pages are the request's own.
 Invariants after every public call:
   * full_pages has an entry for every page of [0, num_computed) (and of a chunk being scheduled);
-  * swa_pages entries of [max(0, num_computed - W), ...) are live; request-owned SWA pages that
-    fall fully before num_computed - W are freed (set to None) unless inserted into the cache;
+  * swa_pages entries of [max(0, num_computed - window), ...) are live; request-owned SWA pages that
+    fall fully before num_computed - window are freed (set to None) unless inserted into the cache;
   * used pages of a pool == pages the running requests own (see used_pages()).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from swaserve.engine.core import Req
+from swaserve.engine.kvcache import PageAllocator, PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -21,14 +22,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, cache: Any, full_alloc: Any, swa_alloc: Any, page_size: int, window: int,
-                 cache_enabled: bool = True):
+    def __init__(self, cache: PrefixCache, full_alloc: PageAllocator, swa_alloc: PageAllocator,
+                 page_size: int, window: int):
         self.cache = cache
         self.full_alloc = full_alloc
         self.swa_alloc = swa_alloc
-        self.P = page_size
-        self.W = window
-        self.cache_enabled = cache_enabled
+        self.page_size = page_size
+        self.window = window
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
@@ -41,17 +41,17 @@ class KVManager:
         req.full_pages = list(m.full_pages)
         req.swa_pages = list(m.swa_pages)
         req.swa_drop_from = len(req.full_pages)
-        assert len(req.full_pages) * self.P == m.reused_len
+        assert len(req.full_pages) * self.page_size == m.reused_len
         return m.reused_len
 
     def unadmit(self, req: Req) -> None:
         """Undo admit() for a request that got no pages of its own."""
-        assert req.tree_len == len(req.full_pages) * self.P
+        assert req.tree_len == len(req.full_pages) * self.page_size
         self.cache.unlock(req.handle)
         self._reset(req)
 
     # ---- allocation -----------------------------------------------------------------------
-    def _alloc(self, alloc: Any, evict: Any, n: int) -> list[int] | None:
+    def _alloc(self, alloc: PageAllocator, evict: Callable[[int], int], n: int) -> list[int] | None:
         if n <= 0:
             return []
         pages = alloc.alloc(n)
@@ -63,7 +63,7 @@ class KVManager:
     def grow(self, req: Req, new_len: int) -> bool:
         """Give req pages (both pools) for positions [0, new_len); False (nothing allocated) if the
         pools cannot, even after evicting cached pages."""
-        need = _cdiv(new_len, self.P) - len(req.full_pages)
+        need = _cdiv(new_len, self.page_size) - len(req.full_pages)
         if need <= 0:
             return True
         full = self._alloc(self.full_alloc, self.cache.evict_full, need)
@@ -78,9 +78,10 @@ class KVManager:
         return True
 
     def drop_out_of_window(self, req: Req) -> None:
-        """Free request-owned SWA pages lying fully before num_computed - W."""
-        first_owned = req.tree_len // self.P
-        end = max(0, (req.num_computed - self.W) // self.P)  # pages [0, end) end at or before seq - W
+        """Free request-owned SWA pages lying fully before num_computed - window."""
+        first_owned = req.tree_len // self.page_size
+        # pages [0, end) end at or before num_computed - window
+        end = max(0, (req.num_computed - self.window) // self.page_size)
         start = max(req.swa_drop_from, first_owned)
         if end <= start:
             return
@@ -97,11 +98,9 @@ class KVManager:
     # ---- cache insertion / release ----------------------------------------------------------
     def cache_prefix(self, req: Req, finished: bool = False) -> None:
         """Insert token_ids[:num_computed] into the cache, adopt its canonical pages, move the lock."""
-        if not self.cache_enabled:
-            return
         n = req.num_computed
-        k = n // self.P
-        first_owned = req.tree_len // self.P
+        k = n // self.page_size
+        first_owned = req.tree_len // self.page_size
         if k <= first_owned and not finished:
             return
         full = req.full_pages[:k]
@@ -117,9 +116,9 @@ class KVManager:
         self.cache.lock(res.handle)
         self.cache.unlock(req.handle)
         req.handle = res.handle
-        assert res.inserted_len % self.P == 0 and res.inserted_len >= req.tree_len
+        assert res.inserted_len % self.page_size == 0 and res.inserted_len >= req.tree_len
         req.tree_len = res.inserted_len
-        req.swa_drop_from = max(req.swa_drop_from, req.tree_len // self.P)
+        req.swa_drop_from = max(req.swa_drop_from, req.tree_len // self.page_size)
         if prompt_len is not None:
             req.prompt_cached = True
 
@@ -132,7 +131,7 @@ class KVManager:
             return
         self.cache_prefix(req, finished=finished)
         self.cache.unlock(req.handle)
-        first_owned = req.tree_len // self.P
+        first_owned = req.tree_len // self.page_size
         self.full_alloc.free(req.full_pages[first_owned:])
         swa = [p for p in req.swa_pages[first_owned:] if p is not None]
         if swa:
@@ -150,7 +149,7 @@ class KVManager:
         """(full, SWA) pages owned by the given requests (not by the cache)."""
         uf = us = 0
         for r in reqs:
-            first_owned = r.tree_len // self.P
+            first_owned = r.tree_len // self.page_size
             uf += len(r.full_pages) - first_owned
             us += sum(1 for p in r.swa_pages[first_owned:] if p is not None)
         return uf, us

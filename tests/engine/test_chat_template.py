@@ -5,17 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from swaserve.engine.tokenizer import ChatTemplate, Tokenizer
+from swaserve.engine.chat_template import ChatTemplate
+from swaserve.engine.tokenizer import Tokenizer
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 
-_HERE = Path(__file__).resolve()
-# the official Gemma 4 template: vendored test data, or the project's shared data folder
-_CANDIDATES = [
-    _HERE.parents[1] / "data" / "gemma4-chat-template.jinja",
-    _HERE.parents[3] / "shared" / "data" / "gemma4-chat-template.jinja",
-    Path("/work/shared/data/gemma4-chat-template.jinja"),
-]
-OFFICIAL = next((p for p in _CANDIDATES if p.exists()), None)
+# the official Gemma 4 chat template, vendored as test data
+OFFICIAL = Path(__file__).resolve().parents[1] / "data" / "gemma4-chat-template.jinja"
 
 TOOLS = [
     {
@@ -99,8 +94,6 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def official(tok) -> ChatTemplate:
-    if OFFICIAL is None:
-        pytest.skip("official gemma4-chat-template.jinja not found (expected in tests/data/)")
     return ChatTemplate(OFFICIAL.read_text(encoding="utf-8"), tok)
 
 

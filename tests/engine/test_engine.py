@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from swaserve.engine.async_engine import AsyncEngine
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.llm import LLM
 
@@ -127,8 +128,8 @@ def test_stop_strings_spanning_tokens(radix):
 
 
 def test_stream_holds_back_stop_prefix_and_aborts_free_pages(radix, prompts):
-    eng = radix.engine
-    eng.flush_cache()
+    radix.engine.flush_cache()
+    eng = AsyncEngine(radix.engine)
 
     async def main():
         async def consume(i, abort_after=None, params=None):
@@ -163,11 +164,11 @@ def test_stream_holds_back_stop_prefix_and_aborts_free_pages(radix, prompts):
         else:
             assert pieces[-1].finished and pieces[-1].finish_reason == "length"
             assert sum(len(p.token_ids) for p in pieces) == 30
-    assert_pages_returned(eng)
+    assert_pages_returned(radix.engine)
 
 
 def test_generate_errors_before_output(radix):
-    eng = radix.engine
+    eng = AsyncEngine(radix.engine)
     ctx = eng.context_length
 
     async def first(ids, params):

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from swaserve.engine.attention.kv_pool import bytes_per_token
+from swaserve.engine.builder import min_swa_pages, plan_kv_pools
 from swaserve.engine.config import CacheConfig, SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
-from swaserve.engine.model_runner import build_metadata, min_swa_pages, plan_kv_pools
+from swaserve.engine.model_runner import build_metadata
 from swaserve.models.tiny import preset_config
 
 CPU = torch.device("cpu")

@@ -27,7 +27,7 @@ from swaserve.models.tiny import (
     tensor_shapes,
 )
 
-# every key of shared/reference/gemma4.md that llama.cpp's gemma4 loader reads
+# every gemma4.* key that llama.cpp's gemma4 loader reads
 GEMMA4_KEYS = [
     "context_length", "embedding_length", "block_count", "feed_forward_length", "expert_feed_forward_length",
     "expert_count", "expert_used_count", "attention.head_count", "attention.head_count_kv",

@@ -70,13 +70,14 @@ def serve_args(*extra: str) -> Any:
 
 
 def make_engine(*extra: str) -> Any:
+    from swaserve.engine.async_engine import AsyncEngine
     from swaserve.engine.engine import Engine
     from swaserve.models.registry import load_model
 
     # as `swaserve serve` does: one core left to the HTTP thread (see server/launch.py)
     threads = str(max(1, (os.cpu_count() or 1) - 1))
     cfg = engine_config_from_args(serve_args("--cpu-threads", threads, *extra))
-    eng = Engine(cfg, load_model(cfg, progress=False))
+    eng = AsyncEngine(Engine(cfg, load_model(cfg, progress=False)))
     eng.start()
     return eng
 

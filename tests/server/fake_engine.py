@@ -10,8 +10,9 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from swaserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 
 
@@ -42,7 +43,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def flush_cache(self) -> bool:
+    async def flush_cache(self) -> bool:
         return not self.running
 
     def stats(self) -> dict[str, Any]:

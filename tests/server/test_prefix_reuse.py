@@ -4,8 +4,6 @@ divergence sweep, append, the seed engine's eager trim (0 reuse) and the seed's 
 from __future__ import annotations
 
 import ast
-import os
-import re
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ from tests.server.conftest import SERVED, LiveServer, make_engine, serve_args
 PAGE = 16
 WINDOW = 64  # the tiny preset's sliding window
 ROOT = Path(__file__).resolve().parents[2]
-SEED = Path(os.environ.get("SWASERVE_SEED", "/work/shared/seeds/000_5e19666c38454e2b.txt"))
+SEED_SCRIPT = ROOT / "tests" / "data" / "seed_reproduction.txt"  # the user's script, verbatim
 # the seed's filler sentence; 37 copies are ~2k tokens with the demo tokenizer
 F = ("Operational note: the routing network selects a small subset of experts per token, "
      "so the working set touched during one decode step is far smaller than the count. ")
@@ -134,10 +132,7 @@ def test_eager_policy_reproduces_the_seed_zero_for_fan_out(eager_server: LiveSer
 
 
 def _seed_script(url: str, model: str) -> str:
-    text = SEED.read_text()
-    m = re.search(r"\nReproduction\n(.*?)\nSecond line reports", text, re.S)
-    assert m, "reproduction script not found in the seed"
-    script = m.group(1)
+    script = SEED_SCRIPT.read_text()
     assert 'URL = "http://127.0.0.1:1919/v1/chat/completions"' in script and '"<served-name>"' in script
     return script.replace("http://127.0.0.1:1919", url).replace('"<served-name>"', repr(model))
 

@@ -19,31 +19,31 @@ Key = tuple[int, ...]
 
 def dump(cache: SWARadixCache) -> dict[Key, tuple[int, int | None, int, int]]:
     """Every tree page: prefix key -> (full id, SWA id, SWA lock count, protection count)."""
-    P = cache.P
+    P = cache.page_size
     out: dict[Key, tuple[int, int | None, int, int]] = {}
     stack: list[tuple[Any, Key]] = [(cache.root, ())]
     while stack:
         nd, prefix = stack.pop()
         for ch in nd.children.values():
             p = prefix
-            for i in range(len(ch.full)):
+            for i in range(len(ch.full_pages)):
                 p = p + tuple(ch.tokens[i * P:(i + 1) * P])
-                out[p] = (ch.full[i], ch.swa[i], ch.swa_lock[i], ch.prot[i])
+                out[p] = (ch.full_pages[i], ch.swa_pages[i], ch.swa_locks[i], ch.protect_counts[i])
             stack.append((ch, p))
     return out
 
 
 def check_reuse_ends(cache: SWARadixCache) -> None:
     """The eviction's per-node deepest reuse point against a page-by-page evaluation."""
-    P, W = cache.P, cache.W
+    P, W = cache.page_size, cache.window
     got = cache._reuse_ends()
     stack: list[tuple[Any, list[Any]]] = [(cache.root, [])]  # node, SWA ids of the path before it
     while stack:
         nd, swa = stack.pop()
         for ch in nd.children.values():
-            path = swa + ch.swa
+            path = swa + ch.swa_pages
             best = -1
-            for k in range(ch.start + 1, ch.end + 1):
+            for k in range(ch.start_page + 1, ch.end_page + 1):
                 if all(path[j] is not None for j in range(max(0, k * P - W) // P, k)):
                     best = k
             assert got[ch] == best, f"{ch}: deepest reuse point {got[ch]}, expected {best}"
@@ -55,7 +55,7 @@ class CheckedCache:
 
     def __init__(self, cache: SWARadixCache):
         self.c = cache
-        self.P, self.W = cache.P, cache.W
+        self.P, self.W = cache.page_size, cache.window
         self.state: dict[Key, list[Any]] = {}  # key -> [full, swa]
         self.locks: Counter[Key] = Counter()  # locked handles by their token prefix
 
@@ -99,7 +99,7 @@ class CheckedCache:
         lf, ls = self.locked_full(), self.locked_swa()
         for k, v in d.items():
             assert (v[2] > 0) == (k in ls), f"SWA lock of page {len(k) // self.P - 1} wrong"
-        assert self.c.n_full_locked == len(lf)
+        assert self.c.full_locked == len(lf)
 
     # ---- checked calls ------------------------------------------------------------------------
     def match(self, ids: list[int]) -> Any:
@@ -143,10 +143,10 @@ class CheckedCache:
             else:
                 self.state[key] = [full[j], swa[j]]
         trimmed = 0
-        if finished and c.policy == "eager" and c.enabled:
+        if finished and c.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
             locked = self.locked_swa()
-            for key in self.keys_of(ids, min(n, max(end - self.W - c.budget, 0) // P)):
+            for key in self.keys_of(ids, min(n, max(end - self.W - c.swa_retain_tokens, 0) // P)):
                 if self.state[key][1] is not None and key not in locked:
                     self.state[key][1] = None
                     trimmed += 1

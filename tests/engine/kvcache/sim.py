@@ -43,12 +43,12 @@ class OutOfPages(RuntimeError):
 
 class Sim:
     def __init__(self, page_size: int, window: int, full_pages: int, swa_pages: int, budget: int = 512,
-                 policy: str = "lazy", enabled: bool = True, chunk: int = 512, check: bool = False):
+                 policy: str = "lazy", chunk: int = 512, check: bool = False):
         self.P, self.W, self.chunk, self.check = page_size, window, chunk, check
         self.fa = PageAllocator(full_pages)
         self.sa = PageAllocator(swa_pages)
-        self.cache = SWARadixCache(page_size, window, self.fa, self.sa, retain_budget=budget, policy=policy,
-                                   enabled=enabled)
+        self.cache = SWARadixCache(page_size, window, self.fa, self.sa, swa_retain_tokens=budget,
+                                   policy=policy)
         self.running: list[SimReq] = []
 
     # ---- accounting -------------------------------------------------------------------------
@@ -70,7 +70,7 @@ class Sim:
         r.handle, r.reused, r.computed, r.tree_len = m.handle, m.reused_len, m.reused_len, m.reused_len
         r.full, r.swa = list(m.full_pages), list(m.swa_pages)
         assert len(r.full) * self.P == m.reused_len
-        assert all(s is not None for s in r.swa[self.cache.window_lo(len(r.swa)):])
+        assert all(s is not None for s in r.swa[self.cache.window_start(len(r.swa)):])
         self.running.append(r)
         if self.check:
             self.verify()

@@ -46,7 +46,7 @@ class CacheMachine(RuleBasedStateMachine):
         P = self.P
         W = max(1, wmul[0] * P + wmul[1])
         self.fa, self.sa = PageAllocator(full_pages), PageAllocator(swa_pages)
-        cache = SWARadixCache(P, W, self.fa, self.sa, retain_budget=budget_pages * P, policy=policy)
+        cache = SWARadixCache(P, W, self.fa, self.sa, swa_retain_tokens=budget_pages * P, policy=policy)
         self.cc = CheckedCache(cache)
         self.stems = [[t for t in s for _ in range(max(1, P // 2))] for s in stems]  # repeated tokens
         self.running: list[Req] = []

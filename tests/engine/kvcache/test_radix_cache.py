@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from swaserve.engine.kvcache import PageAllocator, SWARadixCache
+from swaserve.engine.kvcache import NaiveCache, PageAllocator, SWARadixCache
 
 
-def mk(P: int = 4, W: int = 8, budget: int = 0, policy: str = "lazy", full: int = 64, swa: int = 64,
-       enabled: bool = True) -> SWARadixCache:
-    return SWARadixCache(P, W, PageAllocator(full), PageAllocator(swa), retain_budget=budget, policy=policy,
-                         enabled=enabled)
+def mk(P: int = 4, W: int = 8, budget: int = 0, policy: str = "lazy", full: int = 64,
+       swa: int = 64) -> SWARadixCache:
+    return SWARadixCache(P, W, PageAllocator(full), PageAllocator(swa), swa_retain_tokens=budget,
+                         policy=policy)
 
 
 def put(c: SWARadixCache, ids: list[int], drop: tuple[int, ...] = (), **kw):
     """Insert ids with fresh pages for every page (caller's SWA of pages in `drop` = None)."""
-    n = len(ids) // c.P
+    n = len(ids) // c.page_size
     full = c.full_alloc.alloc(n)
     swa = c.swa_alloc.alloc(n)
     for i in drop:
@@ -206,7 +206,7 @@ def test_eager_trim_at_finish() -> None:
 
 
 def test_naive_mode() -> None:
-    c = mk(enabled=False)
+    c = NaiveCache(4, PageAllocator(64), PageAllocator(64))
     ids = seq(40)
     full, swa = c.full_alloc.alloc(11), c.swa_alloc.alloc(11)
     r = c.insert(ids + [1, 2], full, swa)
@@ -233,8 +233,8 @@ def test_accounting_reset_and_errors() -> None:
     assert c.full_alloc.num_free == 64 and c.swa_alloc.num_free == 64 and c.stats()["nodes"] == 0
     with pytest.raises(ValueError):
         c.insert(seq(8), [1], [1, 2])
-    for kw in ({"page_size": 0}, {"window": 0}, {"retain_budget": -1}, {"policy": "never"}):
-        args = {"page_size": 4, "window": 8, "retain_budget": 0, "policy": "lazy", **kw}
+    for kw in ({"page_size": 0}, {"window": 0}, {"swa_retain_tokens": -1}, {"policy": "never"}):
+        args = {"page_size": 4, "window": 8, "swa_retain_tokens": 0, "policy": "lazy", **kw}
         with pytest.raises(ValueError):
             SWARadixCache(args["page_size"], args["window"], PageAllocator(1), PageAllocator(1),
-                          retain_budget=args["retain_budget"], policy=args["policy"])
+                          swa_retain_tokens=args["swa_retain_tokens"], policy=args["policy"])

@@ -106,10 +106,9 @@ class _Node:
 
 
 class RefCache:
-    def __init__(self, page_size, window, full_alloc, swa_alloc, enabled=True):
+    def __init__(self, page_size, window, full_alloc, swa_alloc):
         self.P, self.W = page_size, window
         self.full_alloc, self.swa_alloc = full_alloc, swa_alloc
-        self.enabled = enabled
         self.root = _Node(None, None, None, None, 0)
         self._clock = itertools.count(1)
 
@@ -121,8 +120,6 @@ class RefCache:
         return out[::-1]
 
     def match(self, ids):
-        if not self.enabled:
-            return _Match(0, self.root, [], [])
         path, node = [], self.root
         while (len(path) + 1) * self.P <= len(ids) - 1:
             i = len(path)
@@ -159,7 +156,6 @@ class RefCache:
             assert n.lock >= 0
 
     def insert(self, ids, full_pages, swa_pages, anchors=(), prompt_len=None, finished=False):
-        assert self.enabled
         k = len(ids) // self.P
         node, t = self.root, next(self._clock)
         of, os = [], []

@@ -9,28 +9,25 @@ import pytest
 
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import RequestError, SamplingParams
+from swaserve.engine.kvcache import NaiveCache, PageAllocator, SWARadixCache
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 from tests.engine.scheduler.fakes import CheckingModel, FakeAllocator, RefCache, next_token
-
-try:
-    from swaserve.engine.kvcache import PageAllocator, SWARadixCache
-except ImportError:  # the cache is built concurrently; the reference cache still runs
-    PageAllocator = SWARadixCache = None
 
 CACHES = ["ref", "real"]
 
 
 def build(kind: str, P: int = 4, W: int = 16, full: int = 2000, swa: int = 2000, max_running: int = 8,
           chunk: int = 32, enabled: bool = True, context: int = 4096, policy: str = "lazy"):
-    if kind == "real":
-        if SWARadixCache is None:
-            pytest.skip("engine.kvcache is not available yet")
+    if not enabled:  # --cache-type naive, the same for both kinds
         fa, sa = PageAllocator(full), PageAllocator(swa)
-        cache = SWARadixCache(P, W, fa, sa, retain_budget=8, policy=policy, enabled=enabled)
+        cache = NaiveCache(P, fa, sa)
+    elif kind == "real":
+        fa, sa = PageAllocator(full), PageAllocator(swa)
+        cache = SWARadixCache(P, W, fa, sa, swa_retain_tokens=8, policy=policy)
     else:
         fa, sa = FakeAllocator(full), FakeAllocator(swa)
-        cache = RefCache(P, W, fa, sa, enabled)
-    kv = KVManager(cache, fa, sa, P, W, cache_enabled=enabled)
+        cache = RefCache(P, W, fa, sa)
+    kv = KVManager(cache, fa, sa, P, W)
     cfg = SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk)
     sched = Scheduler(cfg, kv, context)
     return sched, CheckingModel(P, W)
