@@ -65,7 +65,7 @@ class ChatOutputParser:
     """Feed text deltas, get ParsedDelta back; finish() flushes what was held."""
 
     def __init__(self, special: SpecialText, parse_tools: bool, forced_call_prefix: str | None = None):
-        self.sp = special
+        self.special = special
         self.parse_tools = parse_tools
         self.buf = ""
         self.state = "content"
@@ -87,7 +87,7 @@ class ChatOutputParser:
         return out
 
     def _emit(self, out: ParsedDelta, text: str) -> None:
-        text = self.sp.strip(text)
+        text = self.special.strip(text)
         if self.state == "reasoning" or self.state == "header":
             out.reasoning += text
         else:
@@ -114,7 +114,7 @@ class ChatOutputParser:
                 call = parse_call_body(body)
                 if call is None and self.forced_name is not None:
                     # the named function was forced: report it even when the arguments are not parseable
-                    raw = self.sp.strip(body[len("call:") + len(self.forced_name):]).strip()
+                    raw = self.special.strip(body[len("call:") + len(self.forced_name):]).strip()
                     call = ParsedToolCall(self.forced_name, raw)
                 self.forced_name = None
                 self.state = "content"
@@ -137,7 +137,7 @@ class ChatOutputParser:
                 self.buf = buf[i + len(m):]
                 self.state = {CHANNEL_OPEN: "header", CHANNEL_CLOSE: "content", CALL_OPEN: "tool"}[m]
                 continue
-            hold = 0 if final else self.sp.hold_len(buf)
+            hold = 0 if final else self.special.hold_len(buf)
             self._emit(out, buf[:len(buf) - hold])
             self.buf = buf[len(buf) - hold:]
             return

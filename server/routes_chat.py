@@ -162,9 +162,10 @@ class _Ctx(RouteCtx):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, rid: str, model: str,
-                 choices: dict[int, _Choice], token_text: TokenText, k: int, tracker: RequestTracker):
+                 choices: dict[int, _Choice], token_text: TokenText, top_logprobs: int,
+                 tracker: RequestTracker):
         super().__init__(state, req, rid, model, tracker)
-        self.choices, self.token_text, self.k = choices, token_text, k
+        self.choices, self.token_text, self.top_logprobs = choices, token_text, top_logprobs
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None
 
@@ -184,7 +185,7 @@ class _Ctx(RouteCtx):
             delta.tool_calls = delta.tool_calls[:room]
         c.parsed.extend(delta)
         c.completion_tokens = out.completion_tokens
-        lps = chat_logprobs(out.logprobs, self.token_text, self.k) if out.logprobs else []
+        lps = chat_logprobs(out.logprobs, self.token_text, self.top_logprobs) if out.logprobs else []
         c.logprobs.extend(lps)
         return delta, lps
 
