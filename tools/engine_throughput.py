@@ -14,10 +14,12 @@ import json
 import os
 import random
 import time
+import typing
 from pathlib import Path
 
 import psutil
 
+from swaserve.engine.config import CpuMatmul
 from swaserve.engine.core import SamplingParams
 
 
@@ -135,21 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
         "--q4",
-        choices=["exact", "fast"],
+        choices=list(typing.get_args(CpuMatmul)),
         default="exact",
-        help="CPU Q4_0 path of fp32 activations: exact (default, as served) or fast (bf16 int4)",
+        help="CPU Q4_0 path of fp32 activations (the engine's --cpu-matmul): exact (default) or fast "
+        "(bf16 int4)",
     )
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
 
     import torch
 
-    from swaserve.engine.quant.linear import set_cpu_fast_q4
     from swaserve.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    set_cpu_fast_q4(args.q4 == "fast")
     model = args.model or _small_model()
     conc = [int(c) for c in args.concurrency.split(",")]
     llm = LLM(
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=max(args.max_running_requests, max(conc)),
         chunked_prefill_size=args.chunked_prefill_size,
         device="cpu",
+        cpu_matmul=args.q4,
     )
     eng = llm.engine
     vocab = eng.model_config.vocab_size

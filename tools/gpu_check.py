@@ -295,10 +295,12 @@ def check_q4(c: Ctx, S, name: str, N: int, K: int, M: int) -> list[Row]:
 
 
 def _moe_layers(c: Ctx, S, n: int):
+    from swaserve.engine.moe.base import ExpertWeights
+
     return [
-        SimpleNamespace(
-            experts_gate_up=rand_q4(c, (S.experts, 2 * S.e_inter, S.hidden)),
-            experts_down=rand_q4(c, (S.experts, S.hidden, S.e_inter)),
+        ExpertWeights(
+            gate_up=rand_q4(c, (S.experts, 2 * S.e_inter, S.hidden)),
+            down=rand_q4(c, (S.experts, S.hidden, S.e_inter)),
         )
         for _ in range(n)
     ]
@@ -360,8 +362,8 @@ def check_moe(c: Ctx, S, T: int, state: dict) -> list[Row]:
         layers = _moe_layers(c, S, 1)
         state["moe"] = (
             layers,
-            dequantize(layers[0].experts_gate_up).to(torch.bfloat16),
-            dequantize(layers[0].experts_down).to(torch.bfloat16),
+            dequantize(layers[0].gate_up).to(torch.bfloat16),
+            dequantize(layers[0].down).to(torch.bfloat16),
         )
     layers, gu, dn = state["moe"]
     moe = TritonMoE(_moe_cfg(S, 1), layers, c.dev)
@@ -371,7 +373,7 @@ def check_moe(c: Ctx, S, T: int, state: dict) -> list[Row]:
     err = rel_err(y, _moe_ref(x, gu, dn, ids, w, S.e_inter))
     ms = c.time_ms(lambda: moe.forward(0, x, ids, w))
     ref_ms = c.time_ms(lambda: _moe_ref(x, gu, dn, ids, w, S.e_inter))
-    per_expert = layers[0].experts_gate_up.data[0].nbytes + layers[0].experts_down.data[0].nbytes
+    per_expert = layers[0].gate_up.data[0].nbytes + layers[0].down.data[0].nbytes
     used = int(torch.unique(ids).numel())
     rate = (
         c.bw(used * per_expert + 2 * x.nbytes, ms)
@@ -457,7 +459,7 @@ def check_e2e(c: Ctx, S, B: int) -> list[Row]:
         cfg,
         weights,
         TritonAttentionBackend(),
-        TritonMoE(cfg, weights.layers, c.dev),
+        TritonMoE(cfg, weights.experts, c.dev),
         c.dev,
         dtype=torch.bfloat16,
     )
@@ -509,7 +511,7 @@ def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
     from swaserve.engine.moe.torch_backend import TorchMoE
     from swaserve.models.gemma4 import Gemma4Model
 
-    ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.layers, c.dev), c.dev,
+    ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.experts, c.dev), c.dev,
                       dtype=torch.bfloat16)
     n, P = ids.numel(), S.page
     pages = -(-n // P)
@@ -554,6 +556,7 @@ def _e2e_config(S):
 def _random_weights(c: Ctx, cfg):
     """Random Gemma 4 weights in stored form, generated on the device (no GGUF)."""
     torch = c.torch
+    from swaserve.engine.moe.base import ExpertWeights
     from swaserve.models.weights import Gemma4Weights, LayerWeights
 
     H = cfg.hidden_size
@@ -584,8 +587,7 @@ def _random_weights(c: Ctx, cfg):
                 router=torch.randn(E, H, device=c.dev, generator=c.gen),
                 router_scale=vec(H),
                 pre_ffw_norm_2=vec(H),
-                experts_gate_up=rand_q4(c, (E, 2 * Ie, H)),
-                experts_down=rand_q4(c, (E, H, Ie)),
+                experts=ExpertWeights(gate_up=rand_q4(c, (E, 2 * Ie, H)), down=rand_q4(c, (E, H, Ie))),
                 per_expert_scale=vec(E),
                 post_ffw_norm_2=vec(H),
                 post_ffw_norm=vec(H),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QK, QWeight
+from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, WEIGHTS_PER_BLOCK, QWeight
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import linear
 
@@ -71,7 +71,7 @@ def bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float:
 def random_q4_0(n: int, k: int, seed: int = 0) -> QWeight:
     """A random Q4_0 weight [N, K] (random codes, scales ~ 1/sqrt(K))."""
     rng = np.random.default_rng(seed)
-    nb = k // QK
+    nb = k // WEIGHTS_PER_BLOCK
     blocks = rng.integers(0, 256, size=(n, nb, Q4_0_BLOCK_BYTES), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, size=(n, nb)) / (4.6 * k**0.5)).astype(np.float16)
     blocks[..., :2] = d[..., None].view(np.uint8).reshape(n, nb, 2)
@@ -110,7 +110,7 @@ def _bench_shape(
     wd = dequantize(w).to(device)  # [N, K] fp32: the dense baseline
     if device.type != "cpu":
         w = QWeight(w.qtype, w.shape, w.data.to(device), w.name)
-    q4_bytes = n * k // QK * Q4_0_BLOCK_BYTES
+    q4_bytes = n * k // WEIGHTS_PER_BLOCK * Q4_0_BLOCK_BYTES
     for m in rows:
         x = torch.randn(m, k, device=device)
         xb = x.bfloat16()
