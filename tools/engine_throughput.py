@@ -39,23 +39,23 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 class Runner:
     def __init__(self, engine):
-        self.eng = engine
-        self.n = 0
+        self.engine = engine
+        self.requests_added = 0
 
     def add(self, ids: list[int], max_tokens: int) -> str:
-        self.n += 1
-        rid = f"b{self.n}"
+        self.requests_added += 1
+        rid = f"b{self.requests_added}"
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.eng.add_request(rid, ids, params)
+        self.engine.add_request(rid, ids, params)
         return rid
 
     def prefilling(self) -> bool:
-        s = self.eng.scheduler
+        s = self.engine.scheduler
         return bool(s.waiting) or any(r.num_computed < len(r.token_ids) - 1 for r in s.running)
 
 
 def bench_prefill(r: Runner, rng: random.Random, vocab: int, length: int) -> dict:
-    eng = r.eng
+    eng = r.engine
     r.add(_ids(rng, length, vocab), 1)
     t0 = time.perf_counter()
     while eng.has_unfinished():
@@ -65,7 +65,7 @@ def bench_prefill(r: Runner, rng: random.Random, vocab: int, length: int) -> dic
 
 
 def bench_decode(r: Runner, rng: random.Random, vocab: int, conc: int, prompt_len: int, tokens: int) -> dict:
-    eng = r.eng
+    eng = r.engine
     for _ in range(conc):
         r.add(_ids(rng, prompt_len, vocab), tokens)
     while r.prefilling():
@@ -92,7 +92,7 @@ def bench_steady(r: Runner, rng: random.Random, vocab: int, conc: int, steps: in
                  prompt: tuple[int, int], output: tuple[int, int]) -> dict:
     """Keep `conc` requests running (random prompt / output lengths in the given ranges, a new one
     whenever one finishes); RSS at step `first` and at step `steps`."""
-    eng = r.eng
+    eng = r.engine
     proc = psutil.Process()
     live: set[str] = set()
     rss: dict[int, int] = {}

@@ -21,21 +21,21 @@ from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, WEIGHTS_PER_BLOCK, QWei
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import linear
 
-H = 2816
+HIDDEN = 2816
 # (name, K in, N out) of gemma-4-26B-A4B
 SHAPES: list[tuple[str, int, int]] = [
-    ("q_proj sliding", H, 16 * 256),
-    ("k_proj sliding", H, 8 * 256),
-    ("o_proj sliding", 16 * 256, H),
-    ("q_proj full", H, 16 * 512),
-    ("k_proj full", H, 2 * 512),
-    ("o_proj full", 16 * 512, H),
-    ("dense gate / up", H, 2112),
-    ("dense down", 2112, H),
-    ("expert gate_up", H, 2 * 704),
-    ("expert down", 704, H),
+    ("q_proj sliding", HIDDEN, 16 * 256),
+    ("k_proj sliding", HIDDEN, 8 * 256),
+    ("o_proj sliding", 16 * 256, HIDDEN),
+    ("q_proj full", HIDDEN, 16 * 512),
+    ("k_proj full", HIDDEN, 2 * 512),
+    ("o_proj full", 16 * 512, HIDDEN),
+    ("dense gate / up", HIDDEN, 2112),
+    ("dense down", 2112, HIDDEN),
+    ("expert gate_up", HIDDEN, 2 * 704),
+    ("expert down", 704, HIDDEN),
 ]
-LM_HEAD = ("lm_head (tied embed)", H, 262144)
+LM_HEAD = ("lm_head (tied embed)", HIDDEN, 262144)
 
 
 def _sync(device: torch.device) -> None:

@@ -37,18 +37,6 @@ class AttentionMetadata:
     backend_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.q_lens))
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [p + q for p, q in zip(self.prefix_lens, self.q_lens)]
-
-    @property
     def cu_q_lens(self) -> list[int]:
         out = [0]
         for q in self.q_lens:
@@ -65,8 +53,6 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes the new K/V into the pool, then attends. Scale is 1.0 (Gemma 4 norms q and k)."""
-
-    name: str = "?"
 
     @abstractmethod
     def forward(

@@ -115,8 +115,6 @@ def _get_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _
 
 
 class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
-
     def __init__(self) -> None:
         # reused gather buffers: a fresh multi-MB tensor per layer costs more in page faults than the copy
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}

@@ -53,8 +53,6 @@ class _BatchInfo:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    name = "triton"
-
     def __init__(self, scale: float = 1.0, decode_splits: int | None = None,
                  block_m: int | None = None, block_n: int | None = None):
         if not torch.cuda.is_available():  # fail at startup, not at the first batch

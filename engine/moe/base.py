@@ -21,8 +21,6 @@ class ExpertWeights:
 
 
 class MoEBackend(ABC):
-    name: str = "?"
-
     @classmethod
     def create(cls, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device, *,
                cache_size: int, cpu_matmul: CpuMatmul) -> MoEBackend:

@@ -56,8 +56,6 @@ def _host_copy(w: QWeight, pin: bool) -> QWeight:
 
 
 class OffloadMoE(MoEBackend):
-    name = "offload"
-
     def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cpu",
                  cache_size: int = 0, emulate_device: bool = False,
                  stream_min_tokens: int = STREAM_MIN_TOKENS, cpu_matmul: CpuMatmul = "exact"):

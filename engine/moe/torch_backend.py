@@ -23,8 +23,6 @@ def _to(w: QWeight, device: torch.device) -> QWeight:
 
 
 class TorchMoE(MoEBackend):
-    name = "torch"
-
     def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cpu",
                  cpu_matmul: CpuMatmul = "exact"):
         self.cfg = cfg

@@ -196,8 +196,6 @@ def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch
 class TritonMoE(MoEBackend):
     """All experts resident on the device; one fused gate_up + down pass per layer."""
 
-    name = "triton"
-
     def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cuda",
                  block_m: int | None = None):
         self.cfg = cfg
