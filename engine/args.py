@@ -1,131 +1,144 @@
-"""Engine flags shared by `swaserve serve`, `generate` and `bench`; validated before any model loads."""
+"""Engine flags shared by `swaserve serve`, `generate` and `bench`; validated before any model loads.
+
+The flags, their defaults, help and bounds are not written here: they are read from the fields of
+CacheConfig / SchedulerConfig / EngineConfig (engine/config.py, `option`). `engine_config_from_args`
+(the CLI) and `engine_config_from_kwargs` (`LLM(**kwargs)`) build the config from the same fields.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
+# argparse group title of each config's flags, in --help order
+_GROUPS: tuple[tuple[str, type], ...] = (
+    ("model and engine", EngineConfig),
+    ("KV cache", CacheConfig),
+    ("scheduler", SchedulerConfig),
+)
+_NESTED = {"cache", "scheduler"}  # EngineConfig fields holding the other two configs
 
-def _positive_int(name: str):
-    def parse(s: str) -> int:
+
+def bounded_number(flag: str, kind: type[int] | type[float], min: float | None = None,
+                   max: float | None = None, min_exclusive: bool = False) -> Callable[[str], Any]:
+    """argparse `type` for an int or float flag with optional bounds (min <= v, or min < v with
+    min_exclusive; v <= max); a bad value is an ArgumentTypeError naming the flag, e.g.
+    `--page-size must be at least 1, got 0`."""
+    if min is not None and max is not None:
+        wanted = f"in {'(' if min_exclusive else '['}{min}, {max}]"
+    elif min is not None and min_exclusive:
+        wanted = "positive" if min == 0 else f"greater than {min}"
+    elif min is not None:
+        wanted = ">= 0" if min == 0 else f"at least {min}"
+    elif max is not None:
+        wanted = f"at most {max}"
+    else:
+        wanted = ""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
         try:
-            v = int(s)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {v}")
-        return v
+            raise argparse.ArgumentTypeError(f"{flag} must be {noun}, got {text!r}") from None
+        too_low = min is not None and (value <= min if min_exclusive else value < min)
+        too_high = max is not None and value > max
+        if too_low or too_high:
+            raise argparse.ArgumentTypeError(f"{flag} must be {wanted}, got {value}")
+        return value
 
     return parse
 
 
-def _nonneg_int(name: str):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
+@dataclass(frozen=True)
+class _Flag:
+    """One config field set by a command-line flag."""
 
-    return parse
+    field: dataclasses.Field
+    owner: type  # the config dataclass holding the field
+    flag: str  # e.g. "--page-size"
 
-
-def _ratio(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--swa-full-tokens-ratio must be a number, got {s!r}") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"--swa-full-tokens-ratio must be in (0, 1], got {v}")
-    return v
+    @property
+    def dest(self) -> str:
+        """The argparse attribute: the flag's words joined by underscores (--model -> model)."""
+        return self.flag[2:].replace("-", "_")
 
 
-def _positive_float(name: str):
-    def parse(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be positive, got {v}")
-        return v
+def _flags(owner: type) -> list[_Flag]:
+    return [_Flag(f, owner, f.metadata["flag"]) for f in dataclasses.fields(owner) if f.metadata.get("flag")]
 
-    return parse
+
+def _value_type(owner: type, f: dataclasses.Field) -> Any:
+    """The field's type with `| None` removed (an int, float, str, bool or Literal[...])."""
+    hint = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is not Literal and len(args) == 1:  # X | None
+        return args[0]
+    return hint
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, help="path to a Gemma 4 GGUF (default: the built-in demo model)")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
-    g.add_argument("--moe-backend", choices=["auto", "torch", "triton", "offload"], default="auto")
-    g.add_argument("--moe-cache-size", type=_nonneg_int("--moe-cache-size"), default=0,
-                   help="experts kept on the GPU by the offload backend (0 = size from free memory)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without a seed")
-    g.add_argument("--cpu-threads", type=_positive_int("--cpu-threads"), default=None,
-                   help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
-                        "to the HTTP server)")
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--cache-type", choices=["radix", "naive"], default="radix",
-                   help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
-    c.add_argument("--page-size", type=_positive_int("--page-size"), default=16)
-    c.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    c.add_argument("--kv-cache-memory-gb", type=_positive_float("--kv-cache-memory-gb"), default=None,
-                   help="memory for both KV pools (default: a fraction of free device memory)")
-    c.add_argument("--max-total-tokens", type=_positive_int("--max-total-tokens"), default=None,
-                   help="full-attention pool size in tokens (overrides --kv-cache-memory-gb)")
-    c.add_argument("--swa-full-tokens-ratio", type=_ratio, default=0.25,
-                   help="SWA pool tokens / full pool tokens (default 0.25)")
-    c.add_argument("--swa-retain-budget", type=_nonneg_int("--swa-retain-budget"), default=512,
-                   help="tokens of divergence before an anchor whose SWA window is kept (default 512)")
-    c.add_argument("--swa-retain-policy", choices=["lazy", "eager"], default="lazy",
-                   help="lazy: evict SWA only under pressure; eager: trim at finish like the seed engine")
-    s = p.add_argument_group("scheduler")
-    s.add_argument("--max-running-requests", type=_positive_int("--max-running-requests"), default=64)
-    s.add_argument("--chunked-prefill-size", type=_positive_int("--chunked-prefill-size"), default=2048)
-    s.add_argument("--max-queued-requests", type=_positive_int("--max-queued-requests"), default=1024)
-    s.add_argument("--context-length", type=_positive_int("--context-length"), default=None)
+    for title, owner in _GROUPS:
+        group = p.add_argument_group(title)
+        for fl in _flags(owner):
+            meta, kind = fl.field.metadata, _value_type(owner, fl.field)
+            kw: dict[str, Any] = {"default": _default(fl.field)}
+            if meta["help"] is not None:
+                kw["help"] = meta["help"]
+            if kind is bool:
+                kw["action"] = "store_true"
+            elif meta["choices"] is not None or typing.get_origin(kind) is Literal:
+                kw["choices"] = list(meta["choices"] or typing.get_args(kind))
+            elif kind in (int, float) and (meta["min"] is not None or meta["max"] is not None):
+                kw["type"] = bounded_number(fl.flag, kind, meta["min"], meta["max"], meta["min_exclusive"])
+            elif kind in (int, float):
+                kw["type"] = kind
+            group.add_argument(fl.flag, dest=fl.dest, **kw)
+
+
+def _build(model_path: str | None, values: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from field values by field name (fields not given keep their defaults)."""
+    names = {owner: {f.name for f in dataclasses.fields(owner)} for _, owner in _GROUPS}
+    cache = CacheConfig(**{k: v for k, v in values.items() if k in names[CacheConfig]})
+    sched = SchedulerConfig(**{k: v for k, v in values.items() if k in names[SchedulerConfig]})
+    engine = {k: v for k, v in values.items() if k in names[EngineConfig] - _NESTED - {"model_path"}}
+    return EngineConfig(model_path=model_path, cache=cache, scheduler=sched, **engine)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen config; raises ValueError with a one-line message on bad input."""
     if args.model is not None and not os.path.isfile(args.model):
         raise ValueError(f"--model {args.model}: no such file")
-    full_tokens = args.max_total_tokens
-    swa_tokens = None
-    if full_tokens is not None:
-        swa_tokens = max(args.page_size, int(full_tokens * args.swa_full_tokens_ratio))
-    cache = CacheConfig(
-        page_size=args.page_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        full_tokens=full_tokens,
-        swa_tokens=swa_tokens,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
-        cache_type=args.cache_type,
-        swa_retain_budget=args.swa_retain_budget,
-        swa_retain_policy=args.swa_retain_policy,
-    )
-    sched = SchedulerConfig(
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_queued_requests=args.max_queued_requests,
-        context_length=args.context_length,
-    )
+    values = {fl.field.name: getattr(args, fl.dest) for _, owner in _GROUPS for fl in _flags(owner)}
+    if values["full_tokens"] is not None:  # --max-total-tokens: the SWA pool follows the ratio
+        values["swa_tokens"] = max(values["page_size"],
+                                   int(values["full_tokens"] * values["swa_full_tokens_ratio"]))
     if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
-    return EngineConfig(
-        model_path=args.model,
-        cache=cache,
-        scheduler=sched,
-        attention_backend=args.attention_backend,
-        moe_backend=args.moe_backend,
-        moe_cache_size=args.moe_cache_size,
-        device=args.device,
-        cpu_threads=args.cpu_threads,
-        seed=args.seed,
-    )
+    return _build(values.pop("model_path"), values)
+
+
+def engine_config_from_kwargs(model_path: str | None = None, **kw: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (CacheConfig / SchedulerConfig / EngineConfig field
+    names; `max_total_tokens` = full_tokens). Values are taken as given: unlike the flags, no bounds
+    are checked here (as `LLM(**kwargs)` always did); unset fields keep their defaults."""
+    if "max_total_tokens" in kw:
+        kw["full_tokens"] = kw.pop("max_total_tokens")
+    known = {f.name for _, owner in _GROUPS for f in dataclasses.fields(owner)} - _NESTED - {"model_path"}
+    unknown = set(kw) - known
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    return _build(model_path, kw)

@@ -1,9 +1,20 @@
-"""One frozen config chain, built once from the CLI (engine/args.py) or from LLM(**kwargs)."""
+"""One frozen config chain, built once from the CLI (engine/args.py) or from LLM(**kwargs).
+
+Each engine setting is declared once, here: its default, and (in the field's metadata, see
+`option`) the flag that sets it, the flag's help and its bounds. engine/args.py builds the argparse
+flags and both config builders from these declarations; choices come from the `Literal` type or,
+for backends, from their registry.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import os
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal
+
+from swaserve.engine.attention import ATTENTION_BACKENDS
+from swaserve.engine.moe import MOE_BACKENDS
 
 LayerType = Literal["sliding", "full"]
 
@@ -56,38 +67,93 @@ class ModelConfig:
 
 
 KVDtype = Literal["auto", "bf16", "fp16", "fp32"]
+CpuMatmul = Literal["exact", "fast"]  # see EngineConfig.cpu_matmul
+
+
+def option(default: Any = MISSING, flag: str | None = None, *, help: str | None = None,
+           min: float | None = None, max: float | None = None, min_exclusive: bool = False,
+           choices: tuple[str, ...] | None = None, default_factory: Callable[[], Any] | None = None) -> Any:
+    """A config field and the command-line flag that sets it: `flag` (its words, joined by `_`, name
+    the argparse attribute), `help`, numeric bounds checked when the flag is parsed (`min` <= v, or
+    `min` < v with min_exclusive; v <= `max`) and `choices` (default: the field's Literal values)."""
+    meta = {"flag": flag, "help": help, "min": min, "max": max, "min_exclusive": min_exclusive,
+            "choices": choices}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16
-    kv_cache_dtype: KVDtype = "auto"
-    # Pool sizes in tokens; None = derive from kv_cache_memory_gb and swa_full_tokens_ratio.
-    full_tokens: int | None = None
+    cache_type: Literal["radix", "naive"] = option(
+        "radix", "--cache-type", help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
+    page_size: int = option(16, "--page-size", min=1)
+    kv_cache_dtype: KVDtype = option("auto", "--kv-cache-dtype")
+    # total budget for both pools; None = backend default
+    kv_cache_memory_gb: float | None = option(
+        None, "--kv-cache-memory-gb", min=0, min_exclusive=True,
+        help="memory for both KV pools (default: a fraction of free device memory)")
+    # Pool sizes in tokens; None = derive from kv_cache_memory_gb and swa_full_tokens_ratio. The flag
+    # sets full_tokens, and engine/args.py sizes swa_tokens from it by swa_full_tokens_ratio.
+    full_tokens: int | None = option(
+        None, "--max-total-tokens", min=1,
+        help="full-attention pool size in tokens (overrides --kv-cache-memory-gb)")
     swa_tokens: int | None = None
-    kv_cache_memory_gb: float | None = None  # total budget for both pools; None = backend default
-    swa_full_tokens_ratio: float = 0.25  # SWA tokens / full tokens when sizing from memory
-    cache_type: Literal["radix", "naive"] = "radix"
-    swa_retain_budget: int = 512  # tokens of divergence before an anchor whose window is kept
-    swa_retain_policy: Literal["lazy", "eager"] = "lazy"
+    # SWA tokens / full tokens when sizing from memory
+    swa_full_tokens_ratio: float = option(
+        0.25, "--swa-full-tokens-ratio", min=0, max=1, min_exclusive=True,
+        help="SWA pool tokens / full pool tokens (default 0.25)")
+    swa_retain_budget: int = option(
+        512, "--swa-retain-budget", min=0,
+        help="tokens of divergence before an anchor whose SWA window is kept (default 512)")
+    swa_retain_policy: Literal["lazy", "eager"] = option(
+        "lazy", "--swa-retain-policy",
+        help="lazy: evict SWA only under pressure; eager: trim at finish like the seed engine")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_queued_requests: int = 1024  # beyond this, submit() raises EngineOverloaded (HTTP 503)
-    context_length: int | None = None  # None = the model's context_length
+    max_running_requests: int = option(64, "--max-running-requests", min=1)
+    # token budget of one step (prefill chunks + decodes)
+    chunked_prefill_size: int = option(2048, "--chunked-prefill-size", min=1)
+    # beyond this, submit() raises EngineOverloaded (HTTP 503)
+    max_queued_requests: int = option(1024, "--max-queued-requests", min=1)
+    context_length: int | None = option(None, "--context-length", min=1)  # None = the model's
+
+
+def _debug_checks_from_env() -> bool:
+    return os.environ.get("SWASERVE_DEBUG", "") not in ("", "0")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None  # a GGUF; None = the demo model (generated once, cached)
+    # a GGUF; None = the demo model (generated once, cached)
+    model_path: str | None = option(
+        None, "--model", help="path to a Gemma 4 GGUF (default: the built-in demo model)")
+    device: str = option("auto", "--device", help="cpu, cuda, cuda:N or auto (default)")  # auto: cuda if any
+    attention_backend: str = option("auto", "--attention-backend", choices=ATTENTION_BACKENDS.choices)
+    moe_backend: str = option("auto", "--moe-backend", choices=MOE_BACKENDS.choices)
+    moe_cache_size: int = option(
+        0, "--moe-cache-size", min=0,
+        help="experts kept on the GPU by the offload backend (0 = size from free memory)")
+    seed: int = option(0, "--seed", help="engine seed for requests without a seed")
+    # torch intra-op threads on CPU; None = torch's default (all cores)
+    cpu_threads: int | None = option(
+        None, "--cpu-threads", min=1,
+        help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
+             "to the HTTP server)")
+    # CPU Q4_0 linears with fp32 activations: "exact" (dequantize + fp32 matmul) or "fast" (torch's
+    # bf16 int4 kernel, bf16 accuracy); bf16 activations always take the int4 kernel. The model and
+    # the MoE backend get it at construction (models/registry.py) and pass it to each linear.
+    cpu_matmul: CpuMatmul = option(
+        "exact", "--cpu-matmul",
+        help="CPU Q4_0 linears of fp32 activations: exact (default) or fast (bf16 int4 kernel, "
+             "bf16 accuracy)")
+    # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
+    # read when the config (or the flag parser) is built
+    debug_checks: bool = option(
+        default_factory=_debug_checks_from_env, flag="--debug-checks",
+        help="check cache and pool invariants after every step (slow; default: on when $SWASERVE_DEBUG "
+             "is set)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    moe_backend: Literal["auto", "torch", "triton", "offload"] = "auto"
-    moe_cache_size: int = 0  # experts kept on the GPU by the offload backend (0 = auto)
-    device: str = "auto"  # "auto" = cuda when available else cpu
-    cpu_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default (all cores)
-    seed: int = 0

@@ -4,7 +4,8 @@ Facts: shared/reference/gemma4.md. Sliding and full layers differ in head_dim, K
 full layers use K = V (no v_proj) and "proportional" rope (only the first pairs rotate). Every
 decoder layer has a dense MLP and a routed MoE whose outputs are summed. Norms run in fp32 with
 the raw weight (no 1 + w); v_norm and the router norm have no weight. Linears go through
-engine.quant.linear in the weights' stored form; routed experts go to the MoE backend.
+engine.quant.linear in the weights' stored form (with the engine's `cpu_matmul` numerics); routed
+experts go to the MoE backend.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
-from swaserve.engine.config import ModelConfig
+from swaserve.engine.config import CpuMatmul, ModelConfig
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear
@@ -84,9 +85,7 @@ def _layer_to(lw: LayerWeights, device: torch.device) -> LayerWeights:
         return lw
     moved = {}
     for name, val in vars(lw).items():
-        if name in ("experts_gate_up", "experts_down"):
-            moved[name] = val
-        elif isinstance(val, QWeight):
+        if isinstance(val, QWeight):
             moved[name] = _to_dev(val, device)
         elif isinstance(val, torch.Tensor):
             moved[name] = val.to(device)
@@ -106,20 +105,22 @@ class Gemma4Model:
         moe: MoEBackend,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        cpu_matmul: CpuMatmul = "exact",
     ):
         if len(weights.layers) != cfg.num_layers:
             raise ValueError(f"weights have {len(weights.layers)} layers, config says {cfg.num_layers}")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # compute dtype of the linears and attention; the residual stream is fp32
+        self.cpu_matmul = cpu_matmul  # CPU Q4_0 linears of fp32 inputs: exact or fast (EngineConfig)
         self.attn = attn
         self.moe = moe
         self.embed = _to_dev(weights.embed, self.device)  # [V, H], also the tied lm_head
         self.final_norm = weights.final_norm.to(self.device).float()
         self.layers = [_layer_to(lw, self.device) for lw in weights.layers]
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self.router_root = cfg.hidden_size ** -0.5
-        self._sliding = [t == "sliding" for t in cfg.layer_types]
+        self.router_input_scale = cfg.hidden_size ** -0.5
+        self._is_sliding = [t == "sliding" for t in cfg.layer_types]  # per layer
         self.ropes = {
             "sliding": _Rope(cfg.rope_theta_swa, cfg.rope_dims_swa, cfg.rope_dims_swa // 2,
                              cfg.rope_dims_swa // 2, self.device),
@@ -137,19 +138,22 @@ class Gemma4Model:
         h = embedding(ids, self.embed) * self.embed_scale  # [T, H] fp32 residual stream
         rope = {kind: r.lookup(positions) for kind, r in self.ropes.items()}
         for i, lw in enumerate(self.layers):
-            h = self._layer(i, lw, h, rope["sliding" if self._sliding[i] else "full"], meta, pool)
+            h = self._layer(i, lw, h, rope["sliding" if self._is_sliding[i] else "full"], meta, pool)
         return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V] (tied lm_head, final softcap)."""
-        out = linear(hidden.to(self.dtype), self.embed).float()  # [N, V]
+        out = self._linear(hidden.to(self.dtype), self.embed).float()  # [N, V]
         cap = self.cfg.final_logit_softcap
         if cap:
             out = torch.tanh(out / cap) * cap
         return out
 
     # ---- internals ----
+
+    def _linear(self, x: torch.Tensor, w: QWeight) -> torch.Tensor:
+        return linear(x, w, self.cpu_matmul)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor | None, dtype: torch.dtype | None = None
               ) -> torch.Tensor:
@@ -184,28 +188,29 @@ class Gemma4Model:
     ) -> torch.Tensor:  # [T, H]
         cfg = self.cfg
         T = x.shape[0]
-        sliding = self._sliding[i]
+        sliding = self._is_sliding[i]
         D = cfg.head_dim_swa if sliding else cfg.head_dim_full
         kvh = cfg.num_kv_heads_swa if sliding else cfg.num_kv_heads_full
         half = self.ropes["sliding" if sliding else "full"].half
         cos, sin = rope
-        q = linear(x, lw.q_proj).view(T, cfg.num_heads, D)  # [T, NH, D]
+        q = self._linear(x, lw.q_proj).view(T, cfg.num_heads, D)  # [T, NH, D]
         q = apply_rope(self._norm(q, lw.q_norm), cos, sin, half)
-        k_raw = linear(x, lw.k_proj).view(T, kvh, D)  # [T, KVH, D]
-        v_raw = k_raw if lw.v_proj is None else linear(x, lw.v_proj).view(T, kvh, D)  # K = V on full layers
+        k_raw = self._linear(x, lw.k_proj).view(T, kvh, D)  # [T, KVH, D]
+        # K = V on full layers (no v_proj)
+        v_raw = k_raw if lw.v_proj is None else self._linear(x, lw.v_proj).view(T, kvh, D)
         k = apply_rope(self._norm(k_raw, lw.k_norm), cos, sin, half)
         v = self._norm(v_raw, None)
         o = self.attn.forward(i, q, k, v, meta, pool)  # [T, NH, D]
-        return linear(o.reshape(T, cfg.num_heads * D), lw.o_proj)
+        return self._linear(o.reshape(T, cfg.num_heads * D), lw.o_proj)
 
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(linear(x, lw.gate_proj), approximate="tanh")  # [T, I]
-        return linear(gate * linear(x, lw.up_proj), lw.down_proj)
+        gate = F.gelu(self._linear(x, lw.gate_proj), approximate="tanh")  # [T, I]
+        return self._linear(gate * self._linear(x, lw.up_proj), lw.down_proj)
 
     def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk ids [T, K] int64, weights [T, K] fp32): softmax over all experts, top-k, renormalise,
         times per_expert_scale."""
-        t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_root  # [T, H]
+        t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_input_scale  # [T, H]
         probs = torch.softmax(F.linear(t, lw.router), dim=-1, dtype=torch.float32)  # [T, E]
         w, ids = torch.topk(probs, self.cfg.top_k_experts, dim=-1)  # [T, K]
         w = w / w.sum(dim=-1, keepdim=True)

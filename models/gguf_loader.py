@@ -1,5 +1,7 @@
 """Load a Gemma 4 GGUF (architecture `gemma4`, llama.cpp names) memory-mapped through the `gguf` package.
 
+`open_gguf` maps and parses a file once (metadata and tensor index); models/registry.py reads the
+architecture from it and hands the same GGUFFile to that architecture's loader (`load_gemma4`).
 F32/F16/BF16/Q4_0/Q8_0 tensors stay in their stored form as views of the mapped file (QWeight);
 any other type `gguf` can dequantize is dequantized once at load (matrices to F16, vectors to F32).
 Norms, router, scales and scalars are small fp32 copies. Every problem is a GGUFError: one line
@@ -20,13 +22,13 @@ import torch
 from gguf import GGUFReader, GGUFValueType, quants
 
 from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.quant.base import QWeight
-from swaserve.models.tiny import tensor_shapes
+from swaserve.models.gemma4_layout import ARCH, tensor_shapes
 from swaserve.models.weights import Gemma4Weights, LayerWeights
 
 log = logging.getLogger(__name__)
 
-ARCH = "gemma4"
 KEPT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q8_0")
 _NOT_DEQUANTIZABLE = {"F64", "I8", "I16", "I32", "I64", "Q8_1", "Q8_K", "Q1_0"}
 
@@ -76,13 +78,19 @@ class _Reader(GGUFReader):
         return offs - orig_offs, parts, list(range(3, 2 * n + 2, 2)), types
 
 
-def _open(path: str) -> GGUFReader:
-    if not os.path.isfile(path):
-        raise GGUFError(f"{path}: no such file")
-    try:
-        return _Reader(path, "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/... on garbage
-        raise GGUFError(f"{path}: not a GGUF file ({type(e).__name__}: {e})") from None
+@dataclass
+class GGUFFile:
+    """A GGUF mapped and parsed once: what the registry dispatches on and the loaders read."""
+
+    path: str
+    reader: GGUFReader  # holds the read-only memory map the stored-form weights are views of
+    metadata: dict[str, Any]  # every key/value as plain Python (str, int, float, bool, list)
+    tensors: dict[str, Any]  # GGUF tensor name -> the reader's tensor (name, type, shape, data)
+
+    @property
+    def architecture(self) -> Any:
+        """general.architecture (None when missing)."""
+        return self.metadata.get("general.architecture")
 
 
 def _field_value(field: Any) -> Any:
@@ -96,12 +104,26 @@ def _metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
+def open_gguf(path: str) -> GGUFFile:
+    """Map and parse `path` (metadata and tensor index; no tensor data is read)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: no such file")
+    try:
+        reader = _Reader(path, "r")
+    except Exception as e:  # the reader raises ValueError/IndexError/... on garbage
+        raise GGUFError(f"{path}: not a GGUF file ({type(e).__name__}: {e})") from None
+    return GGUFFile(path, reader, _metadata(reader), {t.name: t for t in reader.tensors})
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """Every GGUF key/value of `path` as plain Python (str, int, float, bool, list)."""
-    return _metadata(_open(path))
+    return open_gguf(path).metadata
 
 
-class _Meta:
+class _ArchMetadata:
+    """The `gemma4.*` keys of a file's metadata, with one-line errors naming the file."""
+
     def __init__(self, meta: dict[str, Any], path: str):
         self.meta, self.path = meta, path
 
@@ -134,7 +156,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
     arch = meta.get("general.architecture")
     if arch != ARCH:
         raise GGUFError(f"{path}: general.architecture is {arch!r}, expected {ARCH!r}")
-    m = _Meta(meta, path)
+    m = _ArchMetadata(meta, path)
     n = int(m.get("block_count"))
     pat = m.get("attention.sliding_window_pattern")
     if isinstance(pat, list):
@@ -249,9 +271,7 @@ def _qweight(t: Any, want: tuple[int, ...], path: str) -> QWeight:
         data = _torch_view(t.data)
         if qt == "BF16":
             data = data.view(torch.bfloat16).reshape(want)
-        w = QWeight(qt, want, data, t.name)
-        w.__dict__["_mmap"] = True  # a view of the read-only file mapping (its pages may be released)
-        return w
+        return QWeight(qt, want, data, t.name, mmapped=True)  # a view of the read-only file mapping
     arr = _as_numpy_f32(t, path)
     return QWeight("F16", want, torch.from_numpy(arr.astype(np.float16)), t.name)
 
@@ -282,10 +302,12 @@ def _gate_up(tensors: dict[str, Any], i: int, cfg: ModelConfig, path: str) -> QW
 
 def load_gguf(path: str, progress: bool = True) -> LoadedModel:
     """Load a Gemma 4 GGUF memory-mapped: config, weights (stored forms), metadata."""
-    path = os.fspath(path)
-    reader = _open(path)
-    meta = _metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    return load_gemma4(open_gguf(path), progress)
+
+
+def load_gemma4(file: GGUFFile, progress: bool = True) -> LoadedModel:
+    """The Gemma 4 model of an opened GGUF: config, weights (stored forms), metadata."""
+    path, meta, tensors = file.path, file.metadata, file.tensors
     cfg = _config(meta, tensors, path)
     shapes = tensor_shapes(cfg)  # the expected torch-order shapes, by GGUF name
     if "output.weight" in tensors:
@@ -336,8 +358,8 @@ def load_gguf(path: str, progress: bool = True) -> LoadedModel:
             router=v(p + "ffn_gate_inp.weight"),
             router_scale=v(p + "ffn_gate_inp.scale"),
             pre_ffw_norm_2=v(p + "pre_ffw_norm_2.weight"),
-            experts_gate_up=_gate_up(tensors, i, cfg, path),
-            experts_down=q(p + "ffn_down_exps.weight"),
+            experts=ExpertWeights(gate_up=_gate_up(tensors, i, cfg, path),
+                                  down=q(p + "ffn_down_exps.weight")),
             per_expert_scale=v(p + "ffn_down_exps.scale"),
             post_ffw_norm_2=v(p + "post_ffw_norm_2.weight"),
             post_ffw_norm=v(p + "post_ffw_norm.weight"),
@@ -347,4 +369,4 @@ def load_gguf(path: str, progress: bool = True) -> LoadedModel:
     return LoadedModel(cfg, weights, meta, path, os.path.getsize(path))
 
 
-__all__ = ["GGUFError", "LoadedModel", "load_gguf", "read_metadata"]
+__all__ = ["GGUFError", "GGUFFile", "LoadedModel", "load_gemma4", "load_gguf", "open_gguf", "read_metadata"]

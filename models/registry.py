@@ -1,4 +1,8 @@
-"""GGUF architecture name -> loader and model class; `load_model` builds the bundle the engine runs."""
+"""GGUF architecture name -> loader and model builder; `load_model` builds the bundle the engine runs.
+
+The file is mapped and parsed once (`open_gguf`): its `general.architecture` picks the entry, whose
+loader reads the same opened file.
+"""
 
 from __future__ import annotations
 
@@ -13,30 +17,31 @@ import torch
 
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.model_api import CausalLM, ModelBundle, resolve_device
-from swaserve.models.gguf_loader import GGUFError, LoadedModel, load_gguf, read_metadata
+from swaserve.models.gguf_loader import GGUFError, GGUFFile, LoadedModel, load_gemma4, open_gguf
 
 log = logging.getLogger("swaserve.models")
 
 
 @dataclass(frozen=True)
 class Architecture:
-    load: Callable[[str, bool], LoadedModel]  # (path, progress) -> config, weights, metadata
+    load: Callable[[GGUFFile, bool], LoadedModel]  # (opened file, progress) -> config, weights, metadata
     build: Callable[[LoadedModel, EngineConfig, torch.device], CausalLM]
 
 
 def _build_gemma4(loaded: LoadedModel, cfg: EngineConfig, device: torch.device) -> CausalLM:
-    from swaserve.engine.attention.base import get_attention_backend
+    from swaserve.engine.attention import get_attention_backend
     from swaserve.engine.moe import get_moe_backend
     from swaserve.models.gemma4 import Gemma4Model
 
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attn = get_attention_backend(cfg.attention_backend, device)
-    moe = get_moe_backend(cfg.moe_backend, loaded.config, loaded.weights, device, cfg.moe_cache_size)
-    return Gemma4Model(loaded.config, loaded.weights, attn, moe, device, act_dtype)
+    moe = get_moe_backend(cfg.moe_backend, loaded.config, loaded.weights.experts, device, cfg.moe_cache_size,
+                          cfg.cpu_matmul)
+    return Gemma4Model(loaded.config, loaded.weights, attn, moe, device, act_dtype, cfg.cpu_matmul)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "gemma4": Architecture(load=load_gguf, build=_build_gemma4),
+    "gemma4": Architecture(load=load_gemma4, build=_build_gemma4),
 }
 
 
@@ -47,7 +52,8 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
         from swaserve.models.tiny import demo_model_path
 
         path = demo_model_path()
-    arch_name = read_metadata(path).get("general.architecture")
+    file = open_gguf(path)
+    arch_name = file.architecture
     arch = ARCHITECTURES.get(arch_name)
     if arch is None:
         raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
@@ -55,7 +61,7 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
     device = resolve_device(cfg.device)
     t0 = time.monotonic()
     log.info("loading %s", path)
-    loaded = arch.load(path, progress)
+    loaded = arch.load(file, progress)
     model = arch.build(loaded, cfg, device)
     name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
     log.info("model %s built in %.1fs (%s, device %s)", name, time.monotonic() - t0, arch_name, device)

@@ -16,32 +16,36 @@ from typing import Any
 import numpy as np
 
 from swaserve.engine.config import ModelConfig
+from swaserve.models.gemma4_layout import tensor_shapes
 from swaserve.models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
 
 __all__ = [
     "PRESETS", "RawTensor", "add_make_model_args", "demo_model_path", "make_model", "preset_config",
-    "random_tensors", "run_make_model", "tensor_shapes", "write_gguf",
+    "random_tensors", "run_make_model", "write_gguf",
 ]
 
 log = logging.getLogger(__name__)
 
-_S, _F = "sliding", "full"
+_SLIDING, _FULL = "sliding", "full"
 # ModelConfig fields per preset; vocab_size None = the demo tokenizer's size.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        vocab_size=None, hidden_size=64, num_layers=6, num_heads=4, layer_types=(_S,) * 5 + (_F,),
+        vocab_size=None, hidden_size=64, num_layers=6, num_heads=4,
+        layer_types=(_SLIDING,) * 5 + (_FULL,),
         head_dim_swa=32, head_dim_full=64, num_kv_heads_swa=2, num_kv_heads_full=1, sliding_window=64,
         intermediate_size=64, moe_intermediate_size=32, num_experts=8, top_k_experts=2,
         rope_dims_swa=32, rope_dims_full=64, rope_full_rotated_pairs=8, context_length=32768,
     ),
     "small": dict(
-        vocab_size=None, hidden_size=1024, num_layers=12, num_heads=8, layer_types=((_S,) * 5 + (_F,)) * 2,
+        vocab_size=None, hidden_size=1024, num_layers=12, num_heads=8,
+        layer_types=((_SLIDING,) * 5 + (_FULL,)) * 2,
         head_dim_swa=128, head_dim_full=256, num_kv_heads_swa=4, num_kv_heads_full=1, sliding_window=1024,
         intermediate_size=1024, moe_intermediate_size=256, num_experts=32, top_k_experts=4,
         rope_dims_swa=128, rope_dims_full=256, rope_full_rotated_pairs=32, context_length=32768,
     ),
     "26b-a4b": dict(
-        vocab_size=262144, hidden_size=2816, num_layers=30, num_heads=16, layer_types=((_S,) * 5 + (_F,)) * 5,
+        vocab_size=262144, hidden_size=2816, num_layers=30, num_heads=16,
+        layer_types=((_SLIDING,) * 5 + (_FULL,)) * 5,
         head_dim_swa=256, head_dim_full=512, num_kv_heads_swa=8, num_kv_heads_full=2, sliding_window=1024,
         intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
         rope_dims_swa=256, rope_dims_full=512, rope_full_rotated_pairs=64, context_length=262144,
@@ -64,44 +68,6 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
         vocab_size = len(_tokenizer_meta()["tokenizer.ggml.tokens"])
     fields["vocab_size"] = vocab_size or fields["vocab_size"]
     return ModelConfig(**fields)
-
-
-def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor names -> torch-order shapes, in file order (fused ffn_gate_up_exps)."""
-    h, e, ie, i_d = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    out: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (cfg.vocab_size, h),
-        "rope_freqs.weight": (cfg.head_dim_full // 2,),
-        "output_norm.weight": (h,),
-    }
-    for i, kind in enumerate(cfg.layer_types):
-        d = cfg.head_dim_swa if kind == _S else cfg.head_dim_full
-        kvh = cfg.num_kv_heads_swa if kind == _S else cfg.num_kv_heads_full
-        p = f"blk.{i}."
-        out[p + "attn_norm.weight"] = (h,)
-        out[p + "attn_q.weight"] = (cfg.num_heads * d, h)
-        out[p + "attn_k.weight"] = (kvh * d, h)
-        if kind == _S or not cfg.attention_k_eq_v_full:
-            out[p + "attn_v.weight"] = (kvh * d, h)
-        out[p + "attn_output.weight"] = (h, cfg.num_heads * d)
-        out[p + "attn_q_norm.weight"] = (d,)
-        out[p + "attn_k_norm.weight"] = (d,)
-        out[p + "post_attention_norm.weight"] = (h,)
-        out[p + "ffn_norm.weight"] = (h,)
-        out[p + "ffn_gate.weight"] = (i_d, h)
-        out[p + "ffn_up.weight"] = (i_d, h)
-        out[p + "ffn_down.weight"] = (h, i_d)
-        out[p + "post_ffw_norm_1.weight"] = (h,)
-        out[p + "ffn_gate_inp.weight"] = (e, h)
-        out[p + "ffn_gate_inp.scale"] = (h,)
-        out[p + "pre_ffw_norm_2.weight"] = (h,)
-        out[p + "ffn_gate_up_exps.weight"] = (e, 2 * ie, h)
-        out[p + "ffn_down_exps.weight"] = (e, h, ie)
-        out[p + "ffn_down_exps.scale"] = (e,)
-        out[p + "post_ffw_norm_2.weight"] = (h,)
-        out[p + "post_ffw_norm.weight"] = (h,)
-        out[p + "layer_output_scale.weight"] = (1,)
-    return out
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str, float, float]:
@@ -224,7 +190,8 @@ def _demo_fingerprint() -> str:
     """Hash of the sources that determine the demo model (a changed generator gives a new file)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for f in ("tiny.py", "tiny_writer.py", "demo_tokenizer.py", "demo_chat_template.jinja"):
+    for f in ("tiny.py", "tiny_writer.py", "gemma4_layout.py", "demo_tokenizer.py",
+              "demo_chat_template.jinja"):
         p = here / f
         h.update(p.read_bytes() if p.exists() else b"-")
     return h.hexdigest()[:12]

@@ -12,10 +12,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, quants
 
 from swaserve.engine.config import ModelConfig
+from swaserve.models.gemma4_layout import ARCH
 
 log = logging.getLogger(__name__)
 
-ARCH = "gemma4"
 WRITE_QTYPES = ("Q4_0", "Q8_0", "F32", "F16", "BF16")
 _FILE_TYPE = {
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.quant.base import QWeight
 
 
@@ -28,8 +29,9 @@ class LayerWeights:
     router: torch.Tensor  # ffn_gate_inp.weight [E, H] f32
     router_scale: torch.Tensor  # ffn_gate_inp.scale [H] f32
     pre_ffw_norm_2: torch.Tensor  # [H]
-    experts_gate_up: QWeight  # ffn_gate_up_exps [E, 2 * I_e, H] (gate rows first), or fused at load
-    experts_down: QWeight  # ffn_down_exps [E, H, I_e]
+    # routed experts, as the MoE backend reads them: gate_up = ffn_gate_up_exps [E, 2 * I_e, H] (gate
+    # rows first; fused at load from ffn_gate_exps + ffn_up_exps), down = ffn_down_exps [E, H, I_e]
+    experts: ExpertWeights
     per_expert_scale: torch.Tensor  # ffn_down_exps.scale [E] f32
     post_ffw_norm_2: torch.Tensor  # [H]
     post_ffw_norm: torch.Tensor  # [H]
@@ -41,3 +43,8 @@ class Gemma4Weights:
     embed: QWeight  # token_embd [V, H] (also the tied lm_head)
     final_norm: torch.Tensor  # output_norm [H]
     layers: list[LayerWeights]
+
+    @property
+    def experts(self) -> list[ExpertWeights]:
+        """The routed experts of every layer, in layer order (what the MoE backends take)."""
+        return [layer.experts for layer in self.layers]

@@ -14,10 +14,12 @@ import json
 import os
 import random
 import time
+import typing
 from pathlib import Path
 
 import psutil
 
+from swaserve.engine.config import CpuMatmul
 from swaserve.engine.core import SamplingParams
 
 
@@ -37,23 +39,23 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 class Runner:
     def __init__(self, engine):
-        self.eng = engine
-        self.n = 0
+        self.engine = engine
+        self.requests_added = 0
 
     def add(self, ids: list[int], max_tokens: int) -> str:
-        self.n += 1
-        rid = f"b{self.n}"
+        self.requests_added += 1
+        rid = f"b{self.requests_added}"
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.eng.add_request(rid, ids, params)
+        self.engine.add_request(rid, ids, params)
         return rid
 
     def prefilling(self) -> bool:
-        s = self.eng.scheduler
+        s = self.engine.scheduler
         return bool(s.waiting) or any(r.num_computed < len(r.token_ids) - 1 for r in s.running)
 
 
 def bench_prefill(r: Runner, rng: random.Random, vocab: int, length: int) -> dict:
-    eng = r.eng
+    eng = r.engine
     r.add(_ids(rng, length, vocab), 1)
     t0 = time.perf_counter()
     while eng.has_unfinished():
@@ -63,7 +65,7 @@ def bench_prefill(r: Runner, rng: random.Random, vocab: int, length: int) -> dic
 
 
 def bench_decode(r: Runner, rng: random.Random, vocab: int, conc: int, prompt_len: int, tokens: int) -> dict:
-    eng = r.eng
+    eng = r.engine
     for _ in range(conc):
         r.add(_ids(rng, prompt_len, vocab), tokens)
     while r.prefilling():
@@ -90,7 +92,7 @@ def bench_steady(r: Runner, rng: random.Random, vocab: int, conc: int, steps: in
                  prompt: tuple[int, int], output: tuple[int, int]) -> dict:
     """Keep `conc` requests running (random prompt / output lengths in the given ranges, a new one
     whenever one finishes); RSS at step `first` and at step `steps`."""
-    eng = r.eng
+    eng = r.engine
     proc = psutil.Process()
     live: set[str] = set()
     rss: dict[int, int] = {}
@@ -135,21 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
         "--q4",
-        choices=["exact", "fast"],
+        choices=list(typing.get_args(CpuMatmul)),
         default="exact",
-        help="CPU Q4_0 path of fp32 activations: exact (default, as served) or fast (bf16 int4)",
+        help="CPU Q4_0 path of fp32 activations (the engine's --cpu-matmul): exact (default) or fast "
+        "(bf16 int4)",
     )
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
 
     import torch
 
-    from swaserve.engine.quant.linear import set_cpu_fast_q4
     from swaserve.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    set_cpu_fast_q4(args.q4 == "fast")
     model = args.model or _small_model()
     conc = [int(c) for c in args.concurrency.split(",")]
     llm = LLM(
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=max(args.max_running_requests, max(conc)),
         chunked_prefill_size=args.chunked_prefill_size,
         device="cpu",
+        cpu_matmul=args.q4,
     )
     eng = llm.engine
     vocab = eng.model_config.vocab_size

@@ -26,23 +26,23 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REAL = SimpleNamespace(
-    H=16,
-    kvh=(8, 2),
-    d=(256, 512),
+    num_heads=16,
+    kv_heads=(8, 2),
+    head_dims=(256, 512),
     window=1024,
-    page=16,
+    page_size=16,
     prefill=8192,
-    ctx=8192,
+    context=8192,
     batches=(1, 8, 32),
     hidden=2816,
-    inter=2112,
+    intermediate=2112,
     experts=128,
-    topk=8,
-    e_inter=704,
+    top_k=8,
+    expert_intermediate=704,
     moe_tokens=(1, 8, 32, 2048),
-    gemm_m=2048,
+    gemm_rows=2048,
     # (name, N, K): attention projections (sliding / full), dense MLP, tied lm_head
-    proj=[
+    projections=[
         ("q swa", 4096, 2816),
         ("k swa", 2048, 2816),
         ("o swa", 2816, 4096),
@@ -59,22 +59,22 @@ REAL = SimpleNamespace(
     e2e_steps=32,
 )
 TINY = SimpleNamespace(
-    H=4,
-    kvh=(2, 1),
-    d=(32, 64),
+    num_heads=4,
+    kv_heads=(2, 1),
+    head_dims=(32, 64),
     window=16,
-    page=4,
+    page_size=4,
     prefill=70,
-    ctx=50,
+    context=50,
     batches=(1, 3),
     hidden=64,
-    inter=64,
+    intermediate=64,
     experts=8,
-    topk=2,
-    e_inter=32,
+    top_k=2,
+    expert_intermediate=32,
     moe_tokens=(1, 9),
-    gemm_m=40,
-    proj=[("q", 96, 64), ("o", 64, 96)],
+    gemm_rows=40,
+    projections=[("q", 96, 64), ("o", 64, 96)],
     preset="tiny",
     e2e_prompt=12,
     e2e_batches=(2,),
@@ -166,7 +166,7 @@ def _attn_setup(c: Ctx, S, q_lens: list[int], prefix_lens: list[int]):
     from swaserve.engine.attention.kv_pool import KVPool
 
     cfg = _shape_cfg(S, ("sliding", "full"))
-    P = S.page
+    P = S.page_size
     seq = [p + q for p, q in zip(prefix_lens, q_lens)]
     npg = [-(-s // P) for s in seq]
     total = sum(npg) + 4
@@ -196,8 +196,8 @@ def _attn_rows(c: Ctx, S, name: str, q_lens: list[int], prefix_lens: list[int]) 
     T = sum(q_lens)
     rows = []
     for layer, kind in ((0, "sliding"), (1, "full")):
-        kvh, D = S.kvh[layer], S.d[layer]
-        q = torch.randn(T, S.H, D, device=c.dev, dtype=torch.bfloat16, generator=c.gen) * D**-0.25
+        kvh, D = S.kv_heads[layer], S.head_dims[layer]
+        q = torch.randn(T, S.num_heads, D, device=c.dev, dtype=torch.bfloat16, generator=c.gen) * D**-0.25
         k = torch.randn(T, kvh, D, device=c.dev, dtype=torch.bfloat16, generator=c.gen) * D**-0.25
         v = torch.randn(T, kvh, D, device=c.dev, dtype=torch.bfloat16, generator=c.gen)
         y = tri.forward(layer, q, k, v, meta, pool)
@@ -213,11 +213,11 @@ def _attn_rows(c: Ctx, S, name: str, q_lens: list[int], prefix_lens: list[int]) 
             rate = c.bw(sum(min(p + 1, W) for p in prefix_lens) * kvh * D * 2 * 2, ms)
         else:  # prefill: 4 * D flops per (query head, visible key) pair
             pairs = sum(min(p + i + 1, W) for p, n in zip(prefix_lens, q_lens) for i in range(n))
-            rate = c.flops(4 * S.H * D * pairs, ms)
+            rate = c.flops(4 * S.num_heads * D * pairs, ms)
         rows.append(
             Row(
                 f"attn {name} {kind}",
-                f"H{S.H}/KVH{kvh} D{D} T{T}",
+                f"H{S.num_heads}/KVH{kvh} D{D} T{T}",
                 status(err, 3e-2, y),
                 err,
                 ms,
@@ -239,7 +239,7 @@ def check_attn_prefill_prefix(c: Ctx, S) -> list[Row]:
 
 
 def check_attn_decode(c: Ctx, S, B: int) -> list[Row]:
-    return _attn_rows(c, S, f"decode {B}x{S.ctx}", [1] * B, [S.ctx - 1] * B)
+    return _attn_rows(c, S, f"decode {B}x{S.context}", [1] * B, [S.context - 1] * B)
 
 
 # ---- Q4_0 linear --------------------------------------------------------------------------------
@@ -295,10 +295,12 @@ def check_q4(c: Ctx, S, name: str, N: int, K: int, M: int) -> list[Row]:
 
 
 def _moe_layers(c: Ctx, S, n: int):
+    from swaserve.engine.moe.base import ExpertWeights
+
     return [
-        SimpleNamespace(
-            experts_gate_up=rand_q4(c, (S.experts, 2 * S.e_inter, S.hidden)),
-            experts_down=rand_q4(c, (S.experts, S.hidden, S.e_inter)),
+        ExpertWeights(
+            gate_up=rand_q4(c, (S.experts, 2 * S.expert_intermediate, S.hidden)),
+            down=rand_q4(c, (S.experts, S.hidden, S.expert_intermediate)),
         )
         for _ in range(n)
     ]
@@ -312,17 +314,17 @@ def _shape_cfg(S, layer_types: tuple[str, ...]):
         vocab_size=32,
         hidden_size=S.hidden,
         num_layers=len(layer_types),
-        num_heads=S.H,
+        num_heads=S.num_heads,
         layer_types=layer_types,
-        head_dim_swa=S.d[0],
-        head_dim_full=S.d[1],
-        num_kv_heads_swa=S.kvh[0],
-        num_kv_heads_full=S.kvh[1],
+        head_dim_swa=S.head_dims[0],
+        head_dim_full=S.head_dims[1],
+        num_kv_heads_swa=S.kv_heads[0],
+        num_kv_heads_full=S.kv_heads[1],
         sliding_window=S.window,
-        intermediate_size=S.inter,
-        moe_intermediate_size=S.e_inter,
+        intermediate_size=S.intermediate,
+        moe_intermediate_size=S.expert_intermediate,
         num_experts=S.experts,
-        top_k_experts=S.topk,
+        top_k_experts=S.top_k,
     )
 
 
@@ -333,7 +335,7 @@ def _moe_cfg(S, layers: int):
 def _routing(c: Ctx, S, T: int):
     torch = c.torch
     scores = torch.rand(T, S.experts, device=c.dev, generator=c.gen)
-    w, ids = torch.topk(scores, S.topk, dim=-1)  # distinct experts per token
+    w, ids = torch.topk(scores, S.top_k, dim=-1)  # distinct experts per token
     return ids, (w / w.sum(-1, keepdim=True)).float()
 
 
@@ -360,28 +362,28 @@ def check_moe(c: Ctx, S, T: int, state: dict) -> list[Row]:
         layers = _moe_layers(c, S, 1)
         state["moe"] = (
             layers,
-            dequantize(layers[0].experts_gate_up).to(torch.bfloat16),
-            dequantize(layers[0].experts_down).to(torch.bfloat16),
+            dequantize(layers[0].gate_up).to(torch.bfloat16),
+            dequantize(layers[0].down).to(torch.bfloat16),
         )
     layers, gu, dn = state["moe"]
     moe = TritonMoE(_moe_cfg(S, 1), layers, c.dev)
     x = torch.randn(T, S.hidden, device=c.dev, dtype=torch.bfloat16, generator=c.gen)
     ids, w = _routing(c, S, T)
     y = moe.forward(0, x, ids, w)
-    err = rel_err(y, _moe_ref(x, gu, dn, ids, w, S.e_inter))
+    err = rel_err(y, _moe_ref(x, gu, dn, ids, w, S.expert_intermediate))
     ms = c.time_ms(lambda: moe.forward(0, x, ids, w))
-    ref_ms = c.time_ms(lambda: _moe_ref(x, gu, dn, ids, w, S.e_inter))
-    per_expert = layers[0].experts_gate_up.data[0].nbytes + layers[0].experts_down.data[0].nbytes
+    ref_ms = c.time_ms(lambda: _moe_ref(x, gu, dn, ids, w, S.expert_intermediate))
+    per_expert = layers[0].gate_up.data[0].nbytes + layers[0].down.data[0].nbytes
     used = int(torch.unique(ids).numel())
     rate = (
         c.bw(used * per_expert + 2 * x.nbytes, ms)
         if T <= 64
-        else c.flops(2 * T * S.topk * 3 * S.e_inter * S.hidden, ms)
+        else c.flops(2 * T * S.top_k * 3 * S.expert_intermediate * S.hidden, ms)
     )
     return [
         Row(
             f"moe fused T={T}",
-            f"E{S.experts} top{S.topk} H{S.hidden} I{S.e_inter}",
+            f"E{S.experts} top{S.top_k} H{S.hidden} I{S.expert_intermediate}",
             status(err, 3e-2, y),
             err,
             ms,
@@ -404,7 +406,7 @@ def check_offload(c: Ctx, S, state: dict) -> list[Row]:
         cfg,
         layers,
         c.dev,
-        cache_size=S.topk * 4,
+        cache_size=S.top_k * 4,
         emulate_device=not c.cuda,
         stream_min_tokens=64 if c.cuda else 8,
     )
@@ -457,11 +459,11 @@ def check_e2e(c: Ctx, S, B: int) -> list[Row]:
         cfg,
         weights,
         TritonAttentionBackend(),
-        TritonMoE(cfg, weights.layers, c.dev),
+        TritonMoE(cfg, weights.experts, c.dev),
         c.dev,
         dtype=torch.bfloat16,
     )
-    P, L0, steps = S.page, S.e2e_prompt, S.e2e_steps
+    P, L0, steps = S.page_size, S.e2e_prompt, S.e2e_steps
     per_seq = -(-(L0 + steps + 1) // P)
     pool = KVPool(cfg, B * per_seq, B * per_seq, P, torch.bfloat16, c.dev)
     pt = torch.arange(B * per_seq).view(B, per_seq)  # sequence b owns pages [b * per_seq, ...)
@@ -509,9 +511,9 @@ def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
     from swaserve.engine.moe.torch_backend import TorchMoE
     from swaserve.models.gemma4 import Gemma4Model
 
-    ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.layers, c.dev), c.dev,
+    ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.experts, c.dev), c.dev,
                       dtype=torch.bfloat16)
-    n, P = ids.numel(), S.page
+    n, P = ids.numel(), S.page_size
     pages = -(-n // P)
     pt = torch.arange(pages).view(1, pages)
     pos = torch.arange(n)
@@ -554,6 +556,7 @@ def _e2e_config(S):
 def _random_weights(c: Ctx, cfg):
     """Random Gemma 4 weights in stored form, generated on the device (no GGUF)."""
     torch = c.torch
+    from swaserve.engine.moe.base import ExpertWeights
     from swaserve.models.weights import Gemma4Weights, LayerWeights
 
     H = cfg.hidden_size
@@ -584,8 +587,7 @@ def _random_weights(c: Ctx, cfg):
                 router=torch.randn(E, H, device=c.dev, generator=c.gen),
                 router_scale=vec(H),
                 pre_ffw_norm_2=vec(H),
-                experts_gate_up=rand_q4(c, (E, 2 * Ie, H)),
-                experts_down=rand_q4(c, (E, H, Ie)),
+                experts=ExpertWeights(gate_up=rand_q4(c, (E, 2 * Ie, H)), down=rand_q4(c, (E, H, Ie))),
                 per_expert_scale=vec(E),
                 post_ffw_norm_2=vec(H),
                 post_ffw_norm=vec(H),
@@ -615,12 +617,13 @@ def _plan(c: Ctx, S) -> list[tuple[str, Any]]:
     ]
     for B in S.batches:
         plan.append((f"attn decode B={B}", lambda B=B: check_attn_decode(c, S, B)))
-    proj = S.proj[:3] + S.proj[-1:] if c.quick else S.proj
+    proj = S.projections[:3] + S.projections[-1:] if c.quick else S.projections
     for name, N, K in proj:
         for M in (1, 8) if c.quick else (1, 4, 8, 32):
             plan.append((f"q4 {name} M={M}", lambda n=name, N=N, K=K, M=M: check_q4(c, S, n, N, K, M)))
-    for name, N, K in S.proj[:2] + S.proj[6:8]:
-        plan.append((f"q4 {name} M={S.gemm_m}", lambda n=name, N=N, K=K: check_q4(c, S, n, N, K, S.gemm_m)))
+    for name, N, K in S.projections[:2] + S.projections[6:8]:
+        rows = S.gemm_rows
+        plan.append((f"q4 {name} M={rows}", lambda n=name, N=N, K=K, M=rows: check_q4(c, S, n, N, K, M)))
     for T in S.moe_tokens:
         plan.append((f"moe T={T}", lambda T=T: check_moe(c, S, T, state)))
     plan.append(("offload", lambda: check_offload(c, S, state)))

@@ -17,25 +17,25 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QK, QWeight
+from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, WEIGHTS_PER_BLOCK, QWeight
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import linear
 
-H = 2816
+HIDDEN = 2816
 # (name, K in, N out) of gemma-4-26B-A4B
 SHAPES: list[tuple[str, int, int]] = [
-    ("q_proj sliding", H, 16 * 256),
-    ("k_proj sliding", H, 8 * 256),
-    ("o_proj sliding", 16 * 256, H),
-    ("q_proj full", H, 16 * 512),
-    ("k_proj full", H, 2 * 512),
-    ("o_proj full", 16 * 512, H),
-    ("dense gate / up", H, 2112),
-    ("dense down", 2112, H),
-    ("expert gate_up", H, 2 * 704),
-    ("expert down", 704, H),
+    ("q_proj sliding", HIDDEN, 16 * 256),
+    ("k_proj sliding", HIDDEN, 8 * 256),
+    ("o_proj sliding", 16 * 256, HIDDEN),
+    ("q_proj full", HIDDEN, 16 * 512),
+    ("k_proj full", HIDDEN, 2 * 512),
+    ("o_proj full", 16 * 512, HIDDEN),
+    ("dense gate / up", HIDDEN, 2112),
+    ("dense down", 2112, HIDDEN),
+    ("expert gate_up", HIDDEN, 2 * 704),
+    ("expert down", 704, HIDDEN),
 ]
-LM_HEAD = ("lm_head (tied embed)", H, 262144)
+LM_HEAD = ("lm_head (tied embed)", HIDDEN, 262144)
 
 
 def _sync(device: torch.device) -> None:
@@ -71,7 +71,7 @@ def bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float:
 def random_q4_0(n: int, k: int, seed: int = 0) -> QWeight:
     """A random Q4_0 weight [N, K] (random codes, scales ~ 1/sqrt(K))."""
     rng = np.random.default_rng(seed)
-    nb = k // QK
+    nb = k // WEIGHTS_PER_BLOCK
     blocks = rng.integers(0, 256, size=(n, nb, Q4_0_BLOCK_BYTES), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, size=(n, nb)) / (4.6 * k**0.5)).astype(np.float16)
     blocks[..., :2] = d[..., None].view(np.uint8).reshape(n, nb, 2)
@@ -110,7 +110,7 @@ def _bench_shape(
     wd = dequantize(w).to(device)  # [N, K] fp32: the dense baseline
     if device.type != "cpu":
         w = QWeight(w.qtype, w.shape, w.data.to(device), w.name)
-    q4_bytes = n * k // QK * Q4_0_BLOCK_BYTES
+    q4_bytes = n * k // WEIGHTS_PER_BLOCK * Q4_0_BLOCK_BYTES
     for m in rows:
         x = torch.randn(m, k, device=device)
         xb = x.bfloat16()

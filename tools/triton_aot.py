@@ -27,9 +27,9 @@ SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}  # bytes per bloc
 
 def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
     """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them."""
-    from swaserve.engine.attention import triton_kernels as AK
-    from swaserve.engine.moe import triton_backend as MB
-    from swaserve.engine.quant import triton_q4 as Q
+    from swaserve.engine.attention import triton_kernels as attention_kernels
+    from swaserve.engine.moe import triton_backend as moe_kernels
+    from swaserve.engine.quant import triton_q4 as linear_kernels
 
     out = []
     att = dict(
@@ -48,7 +48,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         plse_ptr="*fp32",
     )
     for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
-        bm, bn, w, st = AK.prefill_block_sizes(D)
+        bm, bn, w, st = attention_kernels.prefill_block_sizes(D)
         for kv in ("bf16", "fp16", "fp32"):
             t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
             for sliding in (True, False):
@@ -56,29 +56,30 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
                 out.append(
                     (
                         f"attn prefill D{D} kv {kv} {'swa' if sliding else 'full'}",
-                        AK._prefill_kernel,
+                        attention_kernels._prefill_kernel,
                         t,
                         c,
                         w,
                         st,
                     )
                 )
-            dbn, dw, dst = AK.decode_block_sizes(D)
+            dbn, dw, dst = attention_kernels.decode_block_sizes(D)
             c = dict(G=G, BLOCK_G=16, PAGE=16, D=D, BLOCK_N=dbn, SLIDING=True, DOT_F32=kv == "fp32")
-            out.append((f"attn decode D{D} kv {kv}", AK._decode_kernel, t, c, dw, dst))
-        out.append((f"attn reduce D{D}", AK._decode_reduce_kernel, att, dict(D=D, BLOCK_S=64), 4, 3))
+            out.append((f"attn decode D{D} kv {kv}", attention_kernels._decode_kernel, t, c, dw, dst))
+        reduce = attention_kernels._decode_reduce_kernel
+        out.append((f"attn reduce D{D}", reduce, att, dict(D=D, BLOCK_S=64), 4, 3))
     q = dict(x_ptr="*bf16", wb_ptr="*u8", wh_ptr="*fp16", y_ptr="*bf16", part_ptr="*fp32")
-    for fmt, qn in ((Q.FMT_Q4_0, "q4_0"), (Q.FMT_Q8_0, "q8_0")):
+    for fmt, qn in ((linear_kernels.FMT_Q4_0, "q4_0"), (linear_kernels.FMT_Q8_0, "q8_0")):
         for m in (1, 2, 4):
-            bm, bn, bk = Q.gemv_blocks(m)
+            bm, bn, bk = linear_kernels.gemv_blocks(m)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-            out.append((f"{qn} gemv M{m}", Q._gemv_kernel, q, c, 4, 3))
+            out.append((f"{qn} gemv M{m}", linear_kernels._gemv_kernel, q, c, 4, 3))
         for m in (8, 32, 64, 2048):
-            bm, bn, bk, w = Q.gemm_blocks(m)
+            bm, bn, bk, w = linear_kernels.gemm_blocks(m)
             for xt in ("bf16", "fp16"):
                 t = dict(q, x_ptr="*" + xt, y_ptr="*" + xt)
                 c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
-                out.append((f"{qn} gemm M{m} x {xt}", Q._gemm_kernel, t, c, w, 3))
+                out.append((f"{qn} gemm M{m} x {xt}", linear_kernels._gemm_kernel, t, c, w, 3))
     mt = dict(
         x_ptr="*bf16",
         wb_ptr="*u8",
@@ -89,13 +90,18 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         out_ptr="*fp32",
         topw_ptr="*fp32",
     )
-    for fmt, qn in ((Q.FMT_Q4_0, "q4_0"), (Q.FMT_Q8_0, "q8_0"), (Q.FMT_FLOAT, "bf16")):
-        t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == Q.FMT_FLOAT else mt
+    moe_formats = (
+        (linear_kernels.FMT_Q4_0, "q4_0"),
+        (linear_kernels.FMT_Q8_0, "q8_0"),
+        (linear_kernels.FMT_FLOAT, "bf16"),
+    )
+    for fmt, qn in moe_formats:
+        t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == linear_kernels.FMT_FLOAT else mt
         for tk in (8, 16384):
-            bm, bn, bk, w = MB.moe_blocks(tk, 128)
+            bm, bn, bk, w = moe_kernels.moe_blocks(tk, 128)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
-            out.append((f"moe gate_up {qn} BM{bm}", MB._gate_up_kernel, t, c, w, 3))
-            out.append((f"moe down {qn} BM{bm}", MB._down_kernel, t, c, w, 3))
+            out.append((f"moe gate_up {qn} BM{bm}", moe_kernels._gate_up_kernel, t, c, w, 3))
+            out.append((f"moe down {qn} BM{bm}", moe_kernels._down_kernel, t, c, w, 3))
     return out
 
 

@@ -8,7 +8,8 @@ earlier positions is already in the paged pools. Slot = page_id * page_size + of
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,18 +30,11 @@ class AttentionMetadata:
     # [max(0, prefix - W + 1), prefix + q) are present; earlier ones may be -1.
     full_page_table: torch.Tensor
     swa_page_table: torch.Tensor
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.q_lens))
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [p + q for p, q in zip(self.prefix_lens, self.q_lens)]
+    # What a backend derives from this batch once and reuses in every layer, keyed by the backend
+    # (the torch backend's gather plans: ("torch", sliding, device) -> plan). Filled on a backend's
+    # first forward of the batch; empty on a new or `to()`-copied metadata. Build a new
+    # AttentionMetadata per batch; never mutate one between steps.
+    backend_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def cu_q_lens(self) -> list[int]:
@@ -59,8 +53,6 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes the new K/V into the pool, then attends. Scale is 1.0 (Gemma 4 norms q and k)."""
-
-    name: str = "?"
 
     @abstractmethod
     def forward(
@@ -90,17 +82,3 @@ def write_kv(
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
     return sliding, k_cache, v_cache
 
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Registry with lazy imports. 'auto' = triton on CUDA, torch elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from swaserve.engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from swaserve.engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose torch, triton or auto)")

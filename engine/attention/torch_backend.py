@@ -1,10 +1,10 @@
 """Torch attention over the paged KV pools: the reference backend and the CPU fast path.
 
-Per batch and pool kind (full / sliding) a gather plan is built once and cached on the metadata
-object under `_torch_attn_plans` (so build a new AttentionMetadata per batch; never mutate one
-between steps). Decode rows (q_len 1) are padded into one batched SDPA call. Prefill sequences are
-cut into blocks of `Q_BLOCK` query rows; a block at positions [a, b) attends only to the keys it can
-see: [max(0, a - W + 1), b) on sliding layers (so the cost is linear in the prompt length) and
+Per batch and pool kind (full / sliding) a gather plan is built once and kept in the metadata's
+`backend_plans` (so build a new AttentionMetadata per batch; never mutate one between steps).
+Decode rows (q_len 1) are padded into one batched SDPA call. Prefill sequences are cut into blocks
+of `QUERY_BLOCK` query rows; a block at positions [a, b) attends only to the keys it can see:
+[max(0, a - window + 1), b) on sliding layers (so the cost is linear in the prompt length) and
 [0, b) on full layers, with a small [rows, keys] mask per block. A full-layer prefill without a
 cached prefix runs as one causal SDPA call (is_causal is exact there and skips masked tiles).
 Each sequence's visible keys are gathered from the pool once per layer; blocks slice them. Inputs
@@ -21,16 +21,16 @@ import torch.nn.functional as F
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from swaserve.engine.attention.kv_pool import KVPool
 
-Q_BLOCK = 256  # query rows per prefill block
+QUERY_BLOCK = 256  # query rows per prefill block
 
 
 @dataclass
 class _Block:
-    row0: int  # first query row in the flat batch
-    n: int  # query rows
-    k0: int  # first visible key, as an offset into the sequence's gathered keys
-    k1: int  # one past the last visible key (same offsets)
-    mask: torch.Tensor | None  # [n, k1 - k0] bool, True = attend; None = is_causal (square block)
+    first_row: int  # first query row in the flat batch
+    num_rows: int  # query rows
+    key_start: int  # first visible key, as an offset into the sequence's gathered keys
+    key_end: int  # one past the last visible key (same offsets)
+    mask: torch.Tensor | None  # [num_rows, key_end - key_start] bool, True = attend; None = is_causal
 
 
 @dataclass
@@ -52,41 +52,41 @@ def _key_start(pos: int, window: int, sliding: bool) -> int:
     return max(0, pos - window + 1) if sliding else 0
 
 
-def _plan_decodes(meta: AttentionMetadata, dec: list[int], table: torch.Tensor, sliding: bool,
+def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tensor, sliding: bool,
                   plan: _Plan, device: torch.device) -> None:
-    P, W = meta.page_size, meta.window
+    page_size, window = meta.page_size, meta.window
     cu = meta.cu_q_lens
-    prefix = torch.tensor([meta.prefix_lens[b] for b in dec], dtype=torch.int64)  # [Bd]
+    prefix = torch.tensor([meta.prefix_lens[b] for b in decodes], dtype=torch.int64)  # [Bd]
     lens = prefix + 1
-    starts = (prefix - W + 1).clamp_(min=0) if sliding else torch.zeros_like(prefix)  # [Bd]
+    starts = (prefix - window + 1).clamp_(min=0) if sliding else torch.zeros_like(prefix)  # [Bd]
     s_max = int((lens - starts).max())
     kpos = starts[:, None] + torch.arange(s_max)[None, :]  # [Bd, S]
     valid = kpos < lens[:, None]  # [Bd, S]
     kpos = torch.where(valid, kpos, starts[:, None]).to(device)  # [Bd, S] padded -> a real key
-    rows = torch.tensor(dec, dtype=torch.int64, device=device)
-    pages = table[rows].gather(1, kpos // P)  # [Bd, S]
-    plan.decode_rows = torch.tensor([cu[b] for b in dec], dtype=torch.int64, device=device)
-    plan.decode_slots = pages * P + kpos % P  # [Bd, S]
+    rows = torch.tensor(decodes, dtype=torch.int64, device=device)
+    pages = table[rows].gather(1, kpos // page_size)  # [Bd, S]
+    plan.decode_rows = torch.tensor([cu[b] for b in decodes], dtype=torch.int64, device=device)
+    plan.decode_slots = pages * page_size + kpos % page_size  # [Bd, S]
     plan.decode_mask = valid.to(device)[:, None, None, :]  # [Bd, 1, 1, S]
 
 
-def _plan_prefill(row0: int, p: int, n: int, W: int, P: int, table_row: torch.Tensor, sliding: bool,
-                  device: torch.device) -> _Prefill:
-    start, end = _key_start(p, W, sliding), p + n
+def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_size: int,
+                  table_row: torch.Tensor, sliding: bool, device: torch.device) -> _Prefill:
+    start, end = _key_start(prefix, window, sliding), prefix + num_rows
     kpos = torch.arange(start, end, device=device)  # [S]
-    pf = _Prefill(table_row[kpos // P] * P + kpos % P)  # [S]
-    if not sliding and p == 0:
-        pf.blocks.append(_Block(row0, n, 0, n, None))  # plain causal over the whole sequence
+    pf = _Prefill(table_row[kpos // page_size] * page_size + kpos % page_size)  # [S]
+    if not sliding and prefix == 0:
+        pf.blocks.append(_Block(first_row, num_rows, 0, num_rows, None))  # plain causal, whole sequence
         return pf
-    for a in range(p, end, Q_BLOCK):
-        b = min(end, a + Q_BLOCK)
-        lo = _key_start(a, W, sliding)
+    for a in range(prefix, end, QUERY_BLOCK):
+        b = min(end, a + QUERY_BLOCK)
+        lo = _key_start(a, window, sliding)
         qpos = torch.arange(a, b, device=device)[:, None]  # [nb, 1]
         kp = torch.arange(lo, b, device=device)[None, :]  # [1, Sb]
         mask = kp <= qpos  # [nb, Sb]
         if sliding:
-            mask &= kp > qpos - W
-        pf.blocks.append(_Block(row0 + a - p, b - a, lo - start, b - start, mask))
+            mask &= kp > qpos - window
+        pf.blocks.append(_Block(first_row + a - prefix, b - a, lo - start, b - start, mask))
     return pf
 
 
@@ -95,9 +95,9 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
     table = meta.swa_page_table if sliding else meta.full_page_table  # [B, max_pages]
     table = table.to(device)
     plan = _Plan(None, None, None, [])
-    dec = [b for b, q in enumerate(meta.q_lens) if q == 1]
-    if dec:
-        _plan_decodes(meta, dec, table, sliding, plan, device)
+    decodes = [b for b, q in enumerate(meta.q_lens) if q == 1]
+    if decodes:
+        _plan_decodes(meta, decodes, table, sliding, plan, device)
     cu = meta.cu_q_lens
     for b, n in enumerate(meta.q_lens):
         if n > 1:
@@ -107,16 +107,14 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
 
 
 def _get_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _Plan:
-    cache = meta.__dict__.setdefault("_torch_attn_plans", {})
-    key = (sliding, str(device))
-    if key not in cache:
-        cache[key] = build_plan(meta, sliding, device)
-    return cache[key]
+    key = ("torch", sliding, str(device))
+    plan = meta.backend_plans.get(key)
+    if plan is None:
+        plan = meta.backend_plans[key] = build_plan(meta, sliding, device)
+    return plan
 
 
 class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
-
     def __init__(self) -> None:
         # reused gather buffers: a fresh multi-MB tensor per layer costs more in page faults than the copy
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
@@ -168,10 +166,11 @@ class TorchAttentionBackend(AttentionBackend):
             kg = self._gather("k", K, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
             vg = self._gather("v", V, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
             for blk in pf.blocks:
-                r0, r1 = blk.row0, blk.row0 + blk.n
+                r0, r1 = blk.first_row, blk.first_row + blk.num_rows
+                k0, k1 = blk.key_start, blk.key_end
                 qb = q[r0:r1].transpose(0, 1)[None]  # [1, H, n, D]
                 o = F.scaled_dot_product_attention(
-                    qb, kg[:, :, blk.k0:blk.k1], vg[:, :, blk.k0:blk.k1], attn_mask=blk.mask,
+                    qb, kg[:, :, k0:k1], vg[:, :, k0:k1], attn_mask=blk.mask,
                     is_causal=blk.mask is None, scale=1.0, enable_gqa=G > 1)  # [1, H, n, D]
                 out[r0:r1] = o[0].transpose(0, 1)
         return out

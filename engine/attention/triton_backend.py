@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from swaserve.engine.attention import triton_kernels as K
+from swaserve.engine.attention import triton_kernels as kernels
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.quant.triton_q4 import check_triton_device
@@ -29,31 +29,30 @@ class _BatchInfo:
         self.key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
         self.device = device
         i32 = dict(dtype=torch.int32, device=device)
-        self.cu_q = torch.tensor(meta.cu_q_lens, **i32)  # [B + 1]
-        self.prefix = torch.tensor(meta.prefix_lens, **i32)  # [B]
-        dec = [b for b, q in enumerate(meta.q_lens) if q == 1]
-        self.num_dec = len(dec)
-        self.dec_seq = torch.tensor(dec, **i32)  # [BD]
-        self.pre_seqs = [(b, q) for b, q in enumerate(meta.q_lens) if q > 1]
-        self.max_dec_len = max((meta.prefix_lens[b] + 1 for b in dec), default=0)
-        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cu_q_lens = torch.tensor(meta.cu_q_lens, **i32)  # [B + 1]
+        self.prefix_lens = torch.tensor(meta.prefix_lens, **i32)  # [B]
+        decodes = [b for b, q in enumerate(meta.q_lens) if q == 1]
+        self.num_decodes = len(decodes)
+        self.decode_seqs = torch.tensor(decodes, **i32)  # [BD] batch index of each decode sequence
+        self.prefill_seqs = [(b, q) for b, q in enumerate(meta.q_lens) if q > 1]  # (batch index, q_len)
+        self.max_decode_len = max((meta.prefix_lens[b] + 1 for b in decodes), default=0)
+        # block_m -> (blk_seq, blk_start), built by prefill_blocks on first use per block size
+        self._prefill_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prefill_blocks(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(blk_seq, blk_start) [NB] int32: one program per BLOCK_M query rows of a prefill sequence."""
-        if block_m not in self._blocks:
+        if block_m not in self._prefill_blocks:
             seq, start = [], []
-            for b, q in self.pre_seqs:
+            for b, q in self.prefill_seqs:
                 for m0 in range(0, q, block_m):
                     seq.append(b)
                     start.append(m0)
             i32 = dict(dtype=torch.int32, device=self.device)
-            self._blocks[block_m] = (torch.tensor(seq, **i32), torch.tensor(start, **i32))
-        return self._blocks[block_m]
+            self._prefill_blocks[block_m] = (torch.tensor(seq, **i32), torch.tensor(start, **i32))
+        return self._prefill_blocks[block_m]
 
 
 class TritonAttentionBackend(AttentionBackend):
-    name = "triton"
-
     def __init__(self, scale: float = 1.0, decode_splits: int | None = None,
                  block_m: int | None = None, block_n: int | None = None):
         if not torch.cuda.is_available():  # fail at startup, not at the first batch
@@ -62,14 +61,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_splits = decode_splits  # None = chosen from context length and SM count
         self.block_m = block_m  # None = per head_dim defaults (tests use small blocks)
         self.block_n = block_n
-        self._info: _BatchInfo | None = None
+        self._batch: _BatchInfo | None = None  # the last step's index tensors (reused by its layers)
         self._num_sms: dict[torch.device, int] = {}
 
     def _batch_info(self, meta: AttentionMetadata, device: torch.device) -> _BatchInfo:
         key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
-        if self._info is None or self._info.key != key:
-            self._info = _BatchInfo(meta, device)
-        return self._info
+        if self._batch is None or self._batch.key != key:
+            self._batch = _BatchInfo(meta, device)
+        return self._batch
 
     def _sms(self, device: torch.device) -> int:
         if device not in self._num_sms:
@@ -127,35 +126,36 @@ class TritonAttentionBackend(AttentionBackend):
         if out is None:
             out = empty(T, H, D, dtype=q.dtype, device=q.device)
         assert out.shape == q.shape and out.stride(2) == 1
-        if info.pre_seqs:
-            bm, bn, warps, stages = K.prefill_block_sizes(D)
+        if info.prefill_seqs:
+            bm, bn, warps, stages = kernels.prefill_block_sizes(D)
             bm, bn = self.block_m or bm, self.block_n or bn
             blk_seq, blk_start = info.prefill_blocks(bm)
-            K._prefill_kernel[(blk_seq.numel(), H)](
-                q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q, info.prefix, page_table,
+            kernels._prefill_kernel[(blk_seq.numel(), H)](
+                q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q_lens, info.prefix_lens, page_table,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                 page_table.stride(0), self.scale, window,
                 G=G, PAGE=meta.page_size, D=D, BLOCK_M=bm, BLOCK_N=bn,
                 SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
             )
-        if info.num_dec:
-            eff = min(info.max_dec_len, meta.window) if sliding else info.max_dec_len
-            splits = self.num_splits(eff, info.num_dec, KVH, q.device)
-            bn, warps, stages = K.decode_block_sizes(D)
+        if info.num_decodes:
+            eff = min(info.max_decode_len, meta.window) if sliding else info.max_decode_len
+            splits = self.num_splits(eff, info.num_decodes, KVH, q.device)
+            bn, warps, stages = kernels.decode_block_sizes(D)
             bn = self.block_n or bn
-            part_o = empty(info.num_dec, H, splits, D, dtype=torch.float32, device=q.device)
-            part_lse = empty(info.num_dec, H, splits, dtype=torch.float32, device=q.device)
-            K._decode_kernel[(info.num_dec, KVH, splits)](
-                q, k_cache, v_cache, part_o, part_lse, info.dec_seq, info.cu_q, info.prefix, page_table,
+            part_o = empty(info.num_decodes, H, splits, D, dtype=torch.float32, device=q.device)
+            part_lse = empty(info.num_decodes, H, splits, dtype=torch.float32, device=q.device)
+            kernels._decode_kernel[(info.num_decodes, KVH, splits)](
+                q, k_cache, v_cache, part_o, part_lse, info.decode_seqs, info.cu_q_lens, info.prefix_lens,
+                page_table,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                 v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
                 self.scale, window, splits,
                 G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), PAGE=meta.page_size, D=D,
                 BLOCK_N=bn, SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
             )
-            K._decode_reduce_kernel[(info.num_dec, H)](
-                part_o, part_lse, out, info.dec_seq, info.cu_q, out.stride(0), out.stride(1), splits,
+            kernels._decode_reduce_kernel[(info.num_decodes, H)](
+                part_o, part_lse, out, info.decode_seqs, info.cu_q_lens, out.stride(0), out.stride(1), splits,
                 D=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
             )
         return out

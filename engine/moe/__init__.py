@@ -1,46 +1,49 @@
-"""MoE backends by name, imported lazily: torch (reference, CPU), triton (fused Q4_0), offload."""
+"""MoE backends by name, imported lazily: torch (reference, CPU), triton (fused Q4_0), offload.
+
+`MOE_BACKENDS.choices` is what `--moe-backend` accepts; `auto` = torch on CPU; on CUDA triton when
+the experts fit the GPU, else offload (experts stay in host memory).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
+from swaserve.engine.registry import Registry
 
 if TYPE_CHECKING:
-    from swaserve.engine.config import ModelConfig
-    from swaserve.engine.moe.base import MoEBackend
-    from swaserve.models.weights import Gemma4Weights
+    import torch
+
+    from swaserve.engine.config import CpuMatmul, ModelConfig
+    from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 
 log = logging.getLogger(__name__)
-_NAMES = ("auto", "torch", "triton", "offload")
 
 
-def get_moe_backend(
-    name: str, cfg: ModelConfig, weights: Gemma4Weights, device: torch.device | str, cache_size: int = 0
-) -> MoEBackend:
-    """Build the MoE backend `name`; 'auto' = torch on CPU; on CUDA triton when the experts fit the
-    GPU, else offload (experts stay in host memory)."""
+def _auto(experts: list[ExpertWeights], device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import swaserve.engine.moe.triton_backend  # noqa: F401
+        from swaserve.engine.moe.offload_backend import experts_fit
+    except ImportError as e:
+        log.warning("triton MoE backend unavailable (%s); using torch", e)
+        return "torch"
+    return "triton" if experts_fit(experts, device) else "offload"
+
+
+MOE_BACKENDS: Registry[MoEBackend] = Registry("MoE", _auto)
+MOE_BACKENDS.register("torch", "swaserve.engine.moe.torch_backend:TorchMoE")
+MOE_BACKENDS.register("triton", "swaserve.engine.moe.triton_backend:TritonMoE")
+MOE_BACKENDS.register("offload", "swaserve.engine.moe.offload_backend:OffloadMoE")
+
+
+def get_moe_backend(name: str, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str,
+                    cache_size: int = 0, cpu_matmul: CpuMatmul = "exact") -> MoEBackend:
+    """Build the MoE backend `name` ("auto" resolved for the experts and device) over `experts`
+    (one ExpertWeights per layer); ValueError for an unknown name."""
+    import torch
+
     device = torch.device(device)
-    if name not in _NAMES:
-        raise ValueError(f"unknown MoE backend {name!r} (choose {', '.join(_NAMES)})")
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import swaserve.engine.moe.triton_backend  # noqa: F401
-                from swaserve.engine.moe.offload_backend import experts_fit
-
-                name = "triton" if experts_fit(weights.layers, device) else "offload"
-            except ImportError as e:
-                log.warning("triton MoE backend unavailable (%s); using torch", e)
-    opts: dict[str, Any] = {}
-    if name == "torch":
-        from swaserve.engine.moe.torch_backend import TorchMoE as cls
-    elif name == "triton":
-        from swaserve.engine.moe.triton_backend import TritonMoE as cls
-    else:
-        from swaserve.engine.moe.offload_backend import OffloadMoE as cls
-
-        opts["cache_size"] = cache_size
-    return cls(cfg, weights.layers, device, **opts)
+    cls = MOE_BACKENDS.load(MOE_BACKENDS.resolve(name, experts, device))
+    return cls.create(cfg, experts, device, cache_size=cache_size, cpu_matmul=cpu_matmul)

@@ -21,11 +21,10 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from swaserve.engine.config import ModelConfig
-from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.config import CpuMatmul, ModelConfig
+from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import expert_slice, linear
-from swaserve.models.weights import LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +32,17 @@ STREAM_MIN_TOKENS = 64  # batches with at least this many tokens stream whole la
 AUTO_CACHE_FRACTION = 0.3  # of free device memory, for cache_size=0 on CUDA
 
 
-def expert_bytes(layers: list[LayerWeights]) -> int:
-    """Bytes of all routed expert weights (stored form) over `layers`."""
-    return sum(t.data.numel() * t.data.element_size()
-               for lw in layers for t in (lw.experts_gate_up, lw.experts_down))
+def expert_bytes(experts: list[ExpertWeights]) -> int:
+    """Bytes of all routed expert weights (stored form) over the layers' `experts`."""
+    return sum(t.data.numel() * t.data.element_size() for ew in experts for t in (ew.gate_up, ew.down))
 
 
-def experts_fit(layers: list[LayerWeights], device: torch.device, fraction: float = 0.7) -> bool:
+def experts_fit(experts: list[ExpertWeights], device: torch.device, fraction: float = 0.7) -> bool:
     """Whether every routed expert fits in `fraction` of the device's free memory (for 'auto')."""
     if device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(device)
-    return expert_bytes(layers) <= fraction * free
+    return expert_bytes(experts) <= fraction * free
 
 
 def _host_copy(w: QWeight, pin: bool) -> QWeight:
@@ -58,22 +56,21 @@ def _host_copy(w: QWeight, pin: bool) -> QWeight:
 
 
 class OffloadMoE(MoEBackend):
-    name = "offload"
-
-    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device | str = "cpu",
+    def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cpu",
                  cache_size: int = 0, emulate_device: bool = False,
-                 stream_min_tokens: int = STREAM_MIN_TOKENS):
+                 stream_min_tokens: int = STREAM_MIN_TOKENS, cpu_matmul: CpuMatmul = "exact"):
         self.cfg = cfg
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.on_device = self.cuda or emulate_device  # cache and stream paths available
-        self.inter = cfg.moe_intermediate_size
+        self.intermediate_size = cfg.moe_intermediate_size
         self.stream_min_tokens = stream_min_tokens
+        self.cpu_matmul = cpu_matmul  # numerics of the host path's Q4_0 linears (EngineConfig.cpu_matmul)
         if cache_size < 0:
             raise ValueError(f"--moe-cache-size must be >= 0, got {cache_size}")
-        self.gate_up = [_host_copy(lw.experts_gate_up, self.cuda) for lw in layers]  # [E, 2I, H]
-        self.down = [_host_copy(lw.experts_down, self.cuda) for lw in layers]  # [E, H, I]
-        self.num_layers = len(layers)
+        self.gate_up = [_host_copy(ew.gate_up, self.cuda) for ew in experts]  # [E, 2I, H] per layer
+        self.down = [_host_copy(ew.down, self.cuda) for ew in experts]  # [E, H, I] per layer
+        self.num_layers = len(experts)
         self.stats = {"host": 0, "cache": 0, "stream": 0, "hits": 0, "misses": 0, "layer_copies": 0}
         if not self.on_device:
             self.cache_size = 0
@@ -83,7 +80,7 @@ class OffloadMoE(MoEBackend):
         self._fused_moe = fused_moe
         self._stacked_views = stacked_views
         E = cfg.num_experts
-        per_expert = (self.gate_up[0].data[0].nbytes + self.down[0].data[0].nbytes) if layers else 0
+        per_expert = (self.gate_up[0].data[0].nbytes + self.down[0].data[0].nbytes) if experts else 0
         if cache_size == 0 and self.cuda and per_expert:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = AUTO_CACHE_FRACTION * free - 2 * E * per_expert  # the stream buffers come first
@@ -92,18 +89,23 @@ class OffloadMoE(MoEBackend):
                      E * self.num_layers, self.device, cache_size * per_expert / 2**30)
         self.cache_size = min(cache_size, E * self.num_layers)
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
-        self._free = list(range(self.cache_size))
-        if self.cache_size and layers:
+        self._free_slots = list(range(self.cache_size))
+        if self.cache_size and experts:
             self._cache = (self._alloc_like(self.gate_up[0], self.cache_size),
                            self._alloc_like(self.down[0], self.cache_size))
-        if layers:
-            self._bufs = [(self._alloc_like(self.gate_up[0], E), self._alloc_like(self.down[0], E))
-                          for _ in range(2)]
-        self._buf_layer = [-1, -1]  # layer whose experts each stream buffer holds (or receives)
-        self._next_buf = 0
-        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        if experts:
+            self._stream_buffers = [(self._alloc_like(self.gate_up[0], E), self._alloc_like(self.down[0], E))
+                                    for _ in range(2)]
+        self._stream_buffer_layer = [-1, -1]  # layer whose experts each stream buffer holds (or receives)
+        self._next_stream_buffer = 0
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # prefetches run here
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._compute_done: list[torch.cuda.Event | None] = [None, None]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device, *,
+               cache_size: int, cpu_matmul: CpuMatmul) -> OffloadMoE:
+        return cls(cfg, experts, device, cache_size=cache_size, cpu_matmul=cpu_matmul)
 
     def _alloc_like(self, w: QWeight, n: int) -> QWeight:
         """A device QWeight of n stacked experts shaped like w's (contents undefined)."""
@@ -139,9 +141,10 @@ class OffloadMoE(MoEBackend):
         gu, dn = self.gate_up[layer], self.down[layer]
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)  # assignments routed to e
-            h = linear(xh[tok], expert_slice(gu, e))  # [n, 2I]
-            h = F.gelu(h[:, : self.inter], approximate="tanh") * h[:, self.inter:]  # [n, I]
-            y = linear(h, expert_slice(dn, e))  # [n, H]
+            h = linear(xh[tok], expert_slice(gu, e), self.cpu_matmul)  # [n, 2I]
+            inter = self.intermediate_size
+            h = F.gelu(h[:, :inter], approximate="tanh") * h[:, inter:]  # [n, I]
+            y = linear(h, expert_slice(dn, e), self.cpu_matmul)  # [n, H]
             out.index_add_(0, tok, y * w[tok, slot, None])
         return out.to(x.device, non_blocking=True)
 
@@ -162,8 +165,8 @@ class OffloadMoE(MoEBackend):
         self.stats["hits"] += len(used) - len(misses)
         self.stats["misses"] += len(misses)
         for e in misses:
-            if self._free:
-                slot = self._free.pop()
+            if self._free_slots:
+                slot = self._free_slots.pop()
             else:  # the LRU entry is never one of this step's experts (len(used) <= cache_size)
                 (old_key, slot) = self._lru.popitem(last=False)
                 assert old_key[0] != layer or old_key[1] not in used, old_key
@@ -174,16 +177,17 @@ class OffloadMoE(MoEBackend):
             lut[e] = slot
         slot_ids = lut[ids].to(self.device, non_blocking=True)  # [T, K]
         return self._fused_moe(x, self._stacked_views(cache_gu, self.device),
-                               self._stacked_views(cache_dn, self.device), slot_ids, topk_weights, self.inter)
+                               self._stacked_views(cache_dn, self.device), slot_ids, topk_weights,
+                               self.intermediate_size)
 
     # -- whole-layer streaming through a double buffer --------------------------------------
     def _streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> torch.Tensor:
         self.stats["stream"] += 1
         b = self._acquire(layer)
-        gu, dn = self._bufs[b]
+        gu, dn = self._stream_buffers[b]
         y = self._fused_moe(x, self._stacked_views(gu, self.device), self._stacked_views(dn, self.device),
-                            topk_ids, topk_weights, self.inter)
+                            topk_ids, topk_weights, self.intermediate_size)
         self._compute_done[b] = self._record(None)
         nxt = (layer + 1) % self.num_layers
         if nxt != layer:
@@ -193,36 +197,36 @@ class OffloadMoE(MoEBackend):
     def _acquire(self, layer: int) -> int:
         """Index of a stream buffer holding `layer`'s experts, usable by the current stream."""
         for b in (0, 1):
-            if self._buf_layer[b] == layer:
+            if self._stream_buffer_layer[b] == layer:
                 self._wait(self._copy_done[b])  # a prefetch may still be in flight
-                self._next_buf = 1 - b
+                self._next_stream_buffer = 1 - b
                 return b
-        b = self._next_buf
-        self._next_buf = 1 - b
+        b = self._next_stream_buffer
+        self._next_stream_buffer = 1 - b
         self._wait(self._copy_done[b])  # never overwrite a buffer a prefetch still writes
         self._fill(b, layer)  # on the current stream: after earlier readers of b
         self._copy_done[b] = None
         return b
 
     def _prefetch(self, layer: int, b: int) -> None:
-        if self._buf_layer[b] == layer:
+        if self._stream_buffer_layer[b] == layer:
             return
-        if self._side is None:
+        if self._copy_stream is None:
             self._fill(b, layer)
             return
         # b's last readers (and any fill of b on the current stream before them) are done
         # when compute_done[b] fires; a fill is always followed by a compute on b.
         if self._compute_done[b] is not None:
-            self._side.wait_event(self._compute_done[b])
-        with torch.cuda.stream(self._side):
+            self._copy_stream.wait_event(self._compute_done[b])
+        with torch.cuda.stream(self._copy_stream):
             self._fill(b, layer)
-            self._copy_done[b] = self._record(self._side)
+            self._copy_done[b] = self._record(self._copy_stream)
 
     def _fill(self, b: int, layer: int) -> None:
-        gu, dn = self._bufs[b]
+        gu, dn = self._stream_buffers[b]
         gu.data.copy_(self.gate_up[layer].data, non_blocking=True)
         dn.data.copy_(self.down[layer].data, non_blocking=True)
-        self._buf_layer[b] = layer
+        self._stream_buffer_layer[b] = layer
         self.stats["layer_copies"] += 1
 
     def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

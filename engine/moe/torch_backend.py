@@ -10,33 +10,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swaserve.engine.config import ModelConfig
-from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.config import CpuMatmul, ModelConfig
+from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import expert_slice, linear
-from swaserve.models.weights import LayerWeights
 
 
 def _to(w: QWeight, device: torch.device) -> QWeight:
     if w.data.device == device:
         return w
-    return QWeight(w.qtype, w.shape, w.data.to(device), w.name)
+    return QWeight(w.qtype, w.shape, w.data.to(device), w.name)  # a copy: no longer a view of the file
 
 
 class TorchMoE(MoEBackend):
-    name = "torch"
-
-    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cpu",
+                 cpu_matmul: CpuMatmul = "exact"):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.gate_up = [_to(lw.experts_gate_up, self.device) for lw in layers]  # [E, 2 * I, H] each
-        self.down = [_to(lw.experts_down, self.device) for lw in layers]  # [E, H, I]
+        self.cpu_matmul = cpu_matmul  # numerics of the CPU Q4_0 linears (EngineConfig.cpu_matmul)
+        self.gate_up = [_to(ew.gate_up, self.device) for ew in experts]  # [E, 2 * I, H] per layer
+        self.down = [_to(ew.down, self.device) for ew in experts]  # [E, H, I] per layer
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device, *,
+               cache_size: int, cpu_matmul: CpuMatmul) -> TorchMoE:
+        return cls(cfg, experts, device, cpu_matmul=cpu_matmul)
 
     def expert(self, layer: int, x: torch.Tensor, e: int) -> torch.Tensor:
         """down_e(gelu_tanh(gate_e x) * up_e x) for x [n, H] -> [n, H]."""
-        gu = linear(x, expert_slice(self.gate_up[layer], e))  # [n, 2 * I]
+        gu = linear(x, expert_slice(self.gate_up[layer], e), self.cpu_matmul)  # [n, 2 * I]
         gate, up = gu.chunk(2, dim=-1)  # [n, I] each
-        return linear(F.gelu(gate, approximate="tanh") * up, expert_slice(self.down[layer], e))
+        act = F.gelu(gate, approximate="tanh") * up  # [n, I]
+        return linear(act, expert_slice(self.down[layer], e), self.cpu_matmul)
 
     def forward(
         self,

@@ -15,10 +15,15 @@ import triton
 import triton.language as tl
 
 from swaserve.engine.config import ModelConfig
-from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
-from swaserve.engine.quant.triton_q4 import FMTS, check_triton_device, dot_f32, load_w_tile, weight_views
-from swaserve.models.weights import LayerWeights
+from swaserve.engine.quant.triton_q4 import (
+    WEIGHT_FORMATS,
+    check_triton_device,
+    dot_f32,
+    load_w_tile,
+    weight_views,
+)
 
 
 @triton.jit
@@ -144,7 +149,7 @@ def fused_moe(
     down: tuple[torch.Tensor, torch.Tensor, str],  # of [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] expert index into the stacked weights
     topk_weights: torch.Tensor,  # [T, K]
-    inter: int,  # I
+    intermediate_size: int,  # I
     block_m: int | None = None,  # rows per block of the sorted assignments (None: by batch size)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights."""
@@ -164,22 +169,23 @@ def fused_moe(
     f32 = dot_f32(x.dtype)
     gb, gh, gq = gate_up
     db, dh, dq = down
+    inter = intermediate_size
     act = empty(tk, inter, dtype=x.dtype, device=x.device)  # [TK, I]
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, gb, gh, act, sorted_ids, block_e, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
-        FMT=FMTS[gq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        FMT=WEIGHT_FORMATS[gq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
     out = empty(tk, H, dtype=torch.float32, device=x.device)  # [TK, H]
     _down_kernel[(nb, triton.cdiv(H, bn))](
         act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
-        FMT=FMTS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        FMT=WEIGHT_FORMATS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
     return out.view(T, K, H).sum(1).to(x.dtype)
 
 
 def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(bytes, fp16 view, qtype) of a stacked expert weight [E, N, K] on `device`."""
-    if w.qtype not in FMTS:
+    if w.qtype not in WEIGHT_FORMATS:
         raise ValueError(f"{w.name}: no triton MoE kernel for weight type {w.qtype!r}")
     data = w.data.to(device)
     b, h = weight_views(data, w.qtype)
@@ -190,17 +196,15 @@ def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch
 class TritonMoE(MoEBackend):
     """All experts resident on the device; one fused gate_up + down pass per layer."""
 
-    name = "triton"
-
-    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device | str = "cuda",
+    def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cuda",
                  block_m: int | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         check_triton_device(self.device, "the triton MoE backend")
-        self.inter = cfg.moe_intermediate_size
-        self.block_m = block_m
-        self.gate_up = [stacked_views(lw.experts_gate_up, self.device) for lw in layers]
-        self.down = [stacked_views(lw.experts_down, self.device) for lw in layers]
+        self.intermediate_size = cfg.moe_intermediate_size
+        self.block_m = block_m  # rows per block of the sorted assignments (None: by batch size)
+        self.gate_up = [stacked_views(ew.gate_up, self.device) for ew in experts]  # [E, 2I, H] per layer
+        self.down = [stacked_views(ew.down, self.device) for ew in experts]  # [E, H, I] per layer
 
     def forward(
         self,
@@ -209,5 +213,5 @@ class TritonMoE(MoEBackend):
         topk_ids: torch.Tensor,  # [T, K]
         topk_weights: torch.Tensor,  # [T, K]
     ) -> torch.Tensor:  # [T, H]
-        return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights, self.inter,
-                         self.block_m)
+        return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights,
+                         self.intermediate_size, self.block_m)

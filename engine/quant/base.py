@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-QK = 32  # weights per Q4_0 / Q8_0 block
+WEIGHTS_PER_BLOCK = 32  # weights per Q4_0 / Q8_0 block
 Q4_0_BLOCK_BYTES = 18  # fp16 d + 16 bytes: low nibble of byte j = element j, high = element j + 16
 Q8_0_BLOCK_BYTES = 34  # fp16 d + 32 int8
+
+
+@dataclass
+class QWeightCache:
+    """Forms derived from a QWeight's `data` by the compute paths, each built lazily on the first call
+    that needs it (never for the whole model at load) and kept for the weight's lifetime."""
+
+    # expert e -> the 2-D view of expert e of a stacked [E, N, K] weight (with its own cache);
+    # filled by engine.quant.linear.expert_slice
+    experts: dict[int, QWeight] = field(default_factory=dict)
+    # CPU bf16 path, Q4_0: (packed int4 [N, K / 2] uint8, bf16 scales-and-zeros [K / 32, N, 2]);
+    # filled by the first bf16 (or cpu_matmul="fast") linear on the weight
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CPU exact path, Q4_0/Q8_0: (int8 codes [N, K / 32, 32], fp32 block scales [N, K / 32, 1]), weight =
+    # codes * scales; filled by the first exact linear on the weight
+    codes: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CUDA without the Triton kernels: the dequantized weight [N, K] in the last input dtype
+    dequantized: torch.Tensor | None = None
+    # Triton kernels: (the `data` they were made from, bytes, fp16 view of the same memory); rebuilt
+    # when `data` is replaced. Filled by engine.quant.triton_q4 on the first call
+    triton_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -25,3 +46,7 @@ class QWeight:
     shape: tuple[int, ...]
     data: torch.Tensor
     name: str = ""
+    # True when `data` is a view of the read-only GGUF file mapping (set by the loader, inherited by
+    # expert slices): once a cached form replaces the stored one, its file pages may be released
+    mmapped: bool = False
+    cache: QWeightCache = field(default_factory=QWeightCache, repr=False, compare=False)

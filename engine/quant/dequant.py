@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, QWeight
+from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, WEIGHTS_PER_BLOCK, QWeight
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_BYTES = {"Q4_0": Q4_0_BLOCK_BYTES, "Q8_0": Q8_0_BLOCK_BYTES}
@@ -32,7 +32,7 @@ def q4_0_codes(data: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_0(data: torch.Tensor) -> torch.Tensor:
     """Q4_0 rows -> fp32 [..., nb * 32]; value = (q - 8) * d."""
     d = block_scales(data, Q4_0_BLOCK_BYTES)  # [..., nb]
-    q = q4_0_codes(data).reshape(*d.shape, QK)  # [..., nb, 32]
+    q = q4_0_codes(data).reshape(*d.shape, WEIGHTS_PER_BLOCK)  # [..., nb, 32]
     return ((q.to(torch.float32) - 8.0) * d.unsqueeze(-1)).reshape(*data.shape[:-1], -1)
 
 

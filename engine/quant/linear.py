@@ -10,9 +10,12 @@ CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
   cached; each call dequantizes cache-sized row chunks (codes * d, one pass) into a reused
   buffer and multiplies them (sgemm). About the speed of an fp32 dense matmul, at 1.1 B/weight.
   (torch's int4 kernel is exact with fp32 activations too, but has no vectorized fp32 path.)
-  `set_cpu_fast_q4(True)` / SWASERVE_CPU_Q4=fast sends fp32 inputs through the bf16 kernel too.
-Caches are built lazily per weight on first use (never for the whole model at load) and live on
-the QWeight; once a Q4_0 weight is cached, its file pages are dropped from memory (madvise).
+  `linear(..., cpu_matmul="fast")` sends fp32 inputs through the bf16 kernel too: the caller passes
+  EngineConfig.cpu_matmul (`--cpu-matmul`), which the model and the MoE backends keep from their
+  construction, so the choice is per engine rather than a process-wide switch.
+Caches are built lazily per weight on first use (never for the whole model at load) and live in
+the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
+memory (madvise).
 F32/F16/BF16: F.linear (on CPU, a weight whose dtype differs from the input's is converted in row
 chunks). CUDA Q4_0/Q8_0 go to engine.quant.triton_q4 when importable, else dequantize + matmul.
 """
@@ -20,13 +23,12 @@ chunks). CUDA Q4_0/Q8_0 go to engine.quant.triton_q4 when importable, else dequa
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from swaserve.engine.quant.base import QK, QWeight
+from swaserve.engine.quant.base import WEIGHTS_PER_BLOCK, QWeight
 from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,
     FLOAT_TYPES,
@@ -37,39 +39,29 @@ from swaserve.engine.quant.dequant import (
 )
 from swaserve.engine.quant.pages import release_pages
 
+if TYPE_CHECKING:
+    from swaserve.engine.config import CpuMatmul
+
 log = logging.getLogger(__name__)
 
 _CHUNK_ELEMS = 1 << 20  # fp32 weight elements dequantized at once by the exact path (4 MiB)
-_cpu_fast_q4 = os.environ.get("SWASERVE_CPU_Q4", "exact").lower() == "fast"
-_triton_mod: Any = None
-_triton_checked = False
-
-
-def set_cpu_fast_q4(enabled: bool) -> None:
-    """Route CPU Q4_0 linears with fp32/fp16 inputs through the bf16 int4 kernel too (faster; bf16
-    accuracy). Default off: fp32 inputs get the exact path. Also set by SWASERVE_CPU_Q4=fast."""
-    global _cpu_fast_q4
-    _cpu_fast_q4 = bool(enabled)
+_triton_module: Any = None  # engine.quant.triton_q4 once imported (None: not importable)
+_triton_checked = False  # whether the import was tried
 
 
 def expert_slice(w: QWeight, e: int) -> QWeight:
     """The 2-D QWeight of expert `e` of a stacked weight [E, N, K] (a view; cached with its repack)."""
     assert len(w.shape) == 3, f"{w.name}: expert_slice needs a stacked [E, N, K] weight, got {w.shape}"
-    cache: dict[int, QWeight] | None = w.__dict__.get("_experts")
-    if cache is None:
-        cache = {}
-        w.__dict__["_experts"] = cache
-    sub = cache.get(e)
+    sub = w.cache.experts.get(e)
     if sub is None:
-        sub = QWeight(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]")
-        if w.__dict__.get("_mmap"):
-            sub.__dict__["_mmap"] = True
-        cache[e] = sub
+        sub = QWeight(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]", mmapped=w.mmapped)
+        w.cache.experts[e] = sub
     return sub
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, for a 2-D QWeight [N, K]."""
+def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, for a 2-D QWeight [N, K]. `cpu_matmul` = "fast"
+    also sends fp32/fp16 inputs of a CPU Q4_0 weight through the bf16 int4 kernel (bf16 accuracy)."""
     assert len(w.shape) == 2, f"{w.name}: linear needs a 2-D weight, got {w.shape} (use expert_slice)"
     n, k = w.shape
     assert x.shape[-1] == k, f"{w.name}: input has {x.shape[-1]} features, weight expects {k}"
@@ -81,7 +73,7 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     x2 = x.reshape(-1, k)  # [M, K]
     if x2.is_cuda:
         y = _cuda_linear(x2, w)
-    elif w.qtype == "Q4_0" and n % 16 == 0 and (x2.dtype == torch.bfloat16 or _cpu_fast_q4):
+    elif w.qtype == "Q4_0" and n % 16 == 0 and (x2.dtype == torch.bfloat16 or cpu_matmul == "fast"):
         y = _int4_linear(x2.to(torch.bfloat16), w).to(x.dtype)
     else:
         y = _chunked_linear(x2, w)
@@ -90,35 +82,34 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def _int4_pack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached (packed int4 weight [N, K / 2], bf16 scales-and-zeros [K / 32, N, 2]) of a Q4_0 weight."""
-    packed = w.__dict__.get("_int4")
+    packed = w.cache.int4
     if packed is None:
         codes = q4_0_codes(w.data).to(torch.int32)  # [N, K] in [0, 16)
         wp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K / 2] uint8
         d = block_scales(w.data, BLOCK_BYTES["Q4_0"]).t()  # [K / 32, N] fp32 (exact fp16 values)
         sz = torch.stack([d, torch.zeros_like(d)], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        packed = (wp, sz)
-        w.__dict__["_int4"] = packed
+        packed = w.cache.int4 = (wp, sz)
         _release(w)
     return packed
 
 
 def _int4_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     wp, sz = _int4_pack(w)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), wp, QK, sz)  # [M, N] bf16
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), wp, WEIGHTS_PER_BLOCK, sz)  # [M, N]
 
 
 def _codes(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached (int8 codes [N, K / 32, 32], fp32 block scales [N, K / 32, 1]): weight = codes * d."""
-    form = w.__dict__.get("_codes")
+    form = w.cache.codes
     if form is None:
         n, k = w.shape
-        if w.qtype == "Q4_0":
-            codes = q4_0_codes(w.data).view(torch.int8).sub_(8).view(n, k // QK, QK)  # q - 8, own memory
+        blocks = k // WEIGHTS_PER_BLOCK
+        if w.qtype == "Q4_0":  # q - 8, in its own memory
+            codes = q4_0_codes(w.data).view(torch.int8).sub_(8).view(n, blocks, WEIGHTS_PER_BLOCK)
         else:  # Q8_0: the int8 quants are used in place (a strided view of the stored blocks)
-            codes = w.data.view(n, k // QK, BLOCK_BYTES["Q8_0"])[..., 2:].view(torch.int8)
+            codes = w.data.view(n, blocks, BLOCK_BYTES["Q8_0"])[..., 2:].view(torch.int8)
         d = block_scales(w.data, BLOCK_BYTES[w.qtype]).unsqueeze(-1)  # [N, K / 32, 1]
-        form = (codes, d)
-        w.__dict__["_codes"] = form
+        form = w.cache.codes = (codes, d)
         if w.qtype == "Q4_0":
             _release(w)
     return form
@@ -135,7 +126,7 @@ def _chunked_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
             torch.mm(w.data[r0 : r0 + rows].to(torch.float32), xf.t(), out=yt[r0 : r0 + rows])
     else:
         codes, d = _codes(w)
-        buf = torch.empty(rows, k // QK, QK, dtype=torch.float32)
+        buf = torch.empty(rows, k // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK, dtype=torch.float32)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             b = buf[: r1 - r0]
@@ -145,21 +136,21 @@ def _chunked_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 
 def _release(w: QWeight) -> None:
-    if w.__dict__.get("_mmap"):
+    if w.mmapped:
         release_pages(w.data)  # the cached form replaces the file pages in memory
 
 
 def _triton() -> Any:
-    global _triton_mod, _triton_checked
+    global _triton_module, _triton_checked
     if not _triton_checked:
         _triton_checked = True
         try:
-            import swaserve.engine.quant.triton_q4 as mod
+            import swaserve.engine.quant.triton_q4 as module
 
-            _triton_mod = mod
+            _triton_module = module
         except ImportError as e:  # pragma: no cover - depends on the install
             log.warning("the Triton Q4 kernels are unavailable (%s); using dequantize + matmul on CUDA", e)
-    return _triton_mod
+    return _triton_module
 
 
 def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
@@ -167,10 +158,9 @@ def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     fn = getattr(mod, f"{w.qtype.lower()}_linear", None) if mod is not None else None
     if fn is not None:
         return fn(x, w)
-    wd = w.__dict__.get("_dequant")  # fallback: one dequantized copy in the compute dtype
+    wd = w.cache.dequantized  # fallback: one dequantized copy in the compute dtype
     if wd is None or wd.dtype != x.dtype:
-        wd = dequantize(w).to(x.dtype)
-        w.__dict__["_dequant"] = wd
+        wd = w.cache.dequantized = dequantize(w).to(x.dtype)
     return F.linear(x, wd)
 
 

@@ -18,8 +18,9 @@ import triton.language as tl
 from swaserve.engine.quant.base import QWeight
 
 FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2
-FMTS = {"Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0, "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT}
-GEMV_MAX_M = 4  # rows up to which the GEMV kernel is used
+# qtype -> the kernels' FMT constexpr (how load_w_tile reads the weight bytes)
+WEIGHT_FORMATS = {"Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0, "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT}
+GEMV_MAX_ROWS = 4  # rows up to which the GEMV kernel is used
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def dot_f32(dtype: torch.dtype) -> bool:
 
 def weight_views(data: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(bytes, fp16 view of the same memory) of stored weight rows; float weights: (data, data)."""
-    if FMTS[qtype] == FMT_FLOAT:
+    if WEIGHT_FORMATS[qtype] == FMT_FLOAT:
         return data, data
     if data.stride(-1) != 1 or data.storage_offset() % 2 or data.shape[-1] % 2:
         data = data.contiguous().clone()
@@ -133,10 +134,9 @@ def weight_views(data: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _views(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = w.__dict__.get("_triton_views")  # (source tensor, bytes, fp16 view)
+    cached = w.cache.triton_views  # (source tensor, bytes, fp16 view)
     if cached is None or cached[0] is not w.data:
-        cached = (w.data, *weight_views(w.data, w.qtype))
-        w.__dict__["_triton_views"] = cached
+        cached = w.cache.triton_views = (w.data, *weight_views(w.data, w.qtype))
     return cached[1], cached[2]
 
 
@@ -146,7 +146,7 @@ def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def gemv_blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV kernel for m <= GEMV_MAX_M rows."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV kernel for m <= GEMV_MAX_ROWS rows."""
     return triton.next_power_of_2(m), 16, 128 if m <= 2 else 64
 
 
@@ -169,7 +169,7 @@ def _num_sms(device: torch.device) -> int:
 
 def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] for a 2-D QWeight (Q4_0, Q8_0 or float) on the kernel's device."""
-    if w.qtype not in FMTS:
+    if w.qtype not in WEIGHT_FORMATS:
         raise ValueError(f"{w.name}: no triton kernel for weight type {w.qtype!r}")
     assert len(w.shape) == 2, f"{w.name}: triton linear needs a 2-D weight, got {w.shape}"
     N, K = w.shape
@@ -181,11 +181,11 @@ def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = No
     M = x2.shape[0]
     out_dtype = out_dtype or x.dtype
     wb, wh = _views(w)
-    fmt = FMTS[w.qtype]
+    fmt = WEIGHT_FORMATS[w.qtype]
     stride_wn = wb.stride(0)
     if M == 0:
         return torch.empty(*lead, N, dtype=out_dtype, device=x.device)
-    if M <= GEMV_MAX_M:
+    if M <= GEMV_MAX_ROWS:
         bm, bn, bk = gemv_blocks(M)
         grid_n = triton.cdiv(N, bn)
         splits = max(1, min(4 * _num_sms(x.device) // grid_n, triton.cdiv(K, bk)))

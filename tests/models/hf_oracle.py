@@ -4,6 +4,7 @@ that drives our model through the KV pools like the engine does (identity page t
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -127,7 +128,8 @@ def gguf_tensors(model: Gemma4ForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-# LayerWeights field -> GGUF name (blk.N. prefix); the loader must map each one to its own tensor
+# LayerWeights field (dotted: attrgetter path) -> GGUF name (blk.N. prefix); the loader must map each
+# one to its own tensor
 LAYER_FIELDS = {
     "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
     "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_norm": "attn_q_norm.weight",
@@ -135,8 +137,8 @@ LAYER_FIELDS = {
     "ffn_norm": "ffn_norm.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
     "down_proj": "ffn_down.weight", "post_ffw_norm_1": "post_ffw_norm_1.weight",
     "router": "ffn_gate_inp.weight", "router_scale": "ffn_gate_inp.scale",
-    "pre_ffw_norm_2": "pre_ffw_norm_2.weight", "experts_gate_up": "ffn_gate_up_exps.weight",
-    "experts_down": "ffn_down_exps.weight", "per_expert_scale": "ffn_down_exps.scale",
+    "pre_ffw_norm_2": "pre_ffw_norm_2.weight", "experts.gate_up": "ffn_gate_up_exps.weight",
+    "experts.down": "ffn_down_exps.weight", "per_expert_scale": "ffn_down_exps.scale",
     "post_ffw_norm_2": "post_ffw_norm_2.weight", "post_ffw_norm": "post_ffw_norm.weight",
     "layer_scalar": "layer_output_scale.weight",
 }
@@ -156,7 +158,7 @@ def load_weights_into_hf(model: Gemma4ForCausalLM, w: Gemma4Weights) -> None:
         put("model.norm.weight", w.final_norm)
         for i, lw in enumerate(w.layers):
             for field, gname in LAYER_FIELDS.items():
-                val = getattr(lw, field)
+                val = attrgetter(field)(lw)
                 if val is None:
                     continue
                 put(f"model.layers.{i}.{inv[gname]}", dequantize(val) if hasattr(val, "qtype") else val)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from operator import attrgetter
 from pathlib import Path
 
 import gguf
@@ -49,7 +50,7 @@ def _loaded_by_name(m) -> dict[str, torch.Tensor]:
     out = {"token_embd.weight": dequantize(m.weights.embed), "output_norm.weight": m.weights.final_norm}
     for i, layer in enumerate(m.weights.layers):
         for field, gname in LAYER_FIELDS.items():
-            val = getattr(layer, field)
+            val = attrgetter(field)(layer)
             if val is not None:
                 out[f"blk.{i}.{gname}"] = _as_tensor(val)
     return out
@@ -90,7 +91,7 @@ def test_stored_form_is_a_view_of_the_file(tmp_path, cfg, tensors, tok_meta) -> 
     raw = Path(path).read_bytes()
     reader = gguf.GGUFReader(path)
     info = {t.name: t for t in reader.tensors}["blk.1.ffn_down_exps.weight"]
-    w = m.weights.layers[1].experts_down
+    w = m.weights.layers[1].experts.down
     assert w.qtype == "Q4_0" and w.data.dtype == torch.uint8 and w.data.shape == (8, 64, 18)
     assert w.data.numpy().tobytes() == raw[info.data_offset : info.data_offset + info.n_bytes]
     # using it (repack, file pages released) leaves the weight intact
@@ -118,8 +119,8 @@ def test_separate_gate_up_accepted(tmp_path, cfg, tensors, tok_meta) -> None:
     assert "blk.0.ffn_gate_exps.weight" in names and "blk.0.ffn_gate_up_exps.weight" not in names
     a, b = load_gguf(fused_path, progress=False), load_gguf(split_path, progress=False)
     for la, lb in zip(a.weights.layers, b.weights.layers):
-        assert lb.experts_gate_up.shape == (cfg.num_experts, 2 * ie, cfg.hidden_size)
-        assert torch.equal(dequantize(la.experts_gate_up), dequantize(lb.experts_gate_up))
+        assert lb.experts.gate_up.shape == (cfg.num_experts, 2 * ie, cfg.hidden_size)
+        assert torch.equal(dequantize(la.experts.gate_up), dequantize(lb.experts.gate_up))
 
 
 def test_other_types_dequantized_at_load(tmp_path, cfg, tensors, tok_meta) -> None:

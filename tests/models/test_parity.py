@@ -46,13 +46,13 @@ class Pair:
         self.cfg = loaded.config
         assert self.cfg == model_config(hcfg), "the loader's config differs from the oracle's"
         lw = loaded.weights.layers[0]
-        assert {lw.q_proj.qtype, lw.experts_gate_up.qtype, loaded.weights.embed.qtype} == {qtype}
+        assert {lw.q_proj.qtype, lw.experts.gate_up.qtype, loaded.weights.embed.qtype} == {qtype}
         if qtype == "F32":
             self.hf = source
         else:  # transformers given the dequantized weights
             self.hf = build_hf_model(hcfg, seed=0)
             load_weights_into_hf(self.hf, loaded.weights)
-        moe = get_moe_backend("torch", self.cfg, loaded.weights, "cpu")
+        moe = get_moe_backend("torch", self.cfg, loaded.weights.experts, "cpu")
         self.model = Gemma4Model(self.cfg, loaded.weights, TorchAttentionBackend(), moe, "cpu")
 
     def runner(self, page_size: int, max_len: int = 128, max_seqs: int = 4) -> PagedRunner:

@@ -13,6 +13,7 @@ import pytest
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.models.gemma4_layout import tensor_shapes
 from swaserve.models.gguf_loader import load_gguf
 from swaserve.models.tiny import (
     LazyTensors,
@@ -24,7 +25,6 @@ from swaserve.models.tiny import (
     preset_config,
     random_tensors,
     run_make_model,
-    tensor_shapes,
 )
 
 # every gemma4.* key that llama.cpp's gemma4 loader reads

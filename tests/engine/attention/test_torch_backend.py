@@ -152,7 +152,7 @@ def test_gqa_mha_and_mqa_layouts() -> None:
 def test_blocked_prefill_small_blocks(page_size: int, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # blocks of 8 query rows: windows smaller and larger than a block, prefills spanning several
     # blocks with and without a cached prefix (chunks starting mid-block and mid-page), decodes mixed in
-    monkeypatch.setattr(tb, "Q_BLOCK", 8)
+    monkeypatch.setattr(tb, "QUERY_BLOCK", 8)
     prefixes = [0, 19, 5, 40, 3, 0]
     q_lens = [37, 30, 1, 25, 8, 9]
     _run_case(page_size, window=window, prefixes=prefixes, q_lens=q_lens, seed=100 + page_size + window)
@@ -161,13 +161,13 @@ def test_blocked_prefill_small_blocks(page_size: int, window: int, monkeypatch: 
 @pytest.mark.parametrize("window", [64, 300])
 def test_blocked_prefill_default_block(window: int) -> None:
     # default block size: a 600-token chunk after a 70-token cached prefix spans three blocks
-    assert tb.Q_BLOCK < 600 // 2
+    assert tb.QUERY_BLOCK < 600 // 2
     _run_case(16, window=window, prefixes=[70, 0], q_lens=[600, 1], seed=window)
 
 
 def test_backend_reused_across_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     # one backend (reused gather buffers) over batches that grow, shrink and change dtype
-    monkeypatch.setattr(tb, "Q_BLOCK", 8)
+    monkeypatch.setattr(tb, "QUERY_BLOCK", 8)
     be = TorchAttentionBackend()
     _run_case(4, window=6, prefixes=[30, 0, 12], q_lens=[20, 33, 1], seed=7, be=be)
     _run_case(4, window=6, prefixes=[3], q_lens=[1], seed=8, be=be)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import random
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from swaserve.engine.config import ModelConfig
+from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize
 
@@ -46,9 +46,9 @@ def random_qweight(g: torch.Generator, qtype: str, shape: tuple[int, ...]) -> QW
 
 
 def make_layers(g: torch.Generator, qtype: str, n_layers: int, e: int, hidden: int, inter: int):
-    """Stand-ins for LayerWeights carrying only the expert weights the MoE backends read."""
-    return [SimpleNamespace(experts_gate_up=random_qweight(g, qtype, (e, 2 * inter, hidden)),
-                            experts_down=random_qweight(g, qtype, (e, hidden, inter)))
+    """The expert weights the MoE backends read, one ExpertWeights per layer."""
+    return [ExpertWeights(gate_up=random_qweight(g, qtype, (e, 2 * inter, hidden)),
+                          down=random_qweight(g, qtype, (e, hidden, inter)))
             for _ in range(n_layers)]
 
 
@@ -65,8 +65,8 @@ def routing(g: torch.Generator, t: int, e: int, k: int, skew: bool = False):
 def dense_moe(layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act_dtype: torch.dtype):
     """float64 per-token loop on the dequantized experts; the activation is rounded to act_dtype
     like the kernels store it. [T, H] float64."""
-    gu_all = dequantize(layer.experts_gate_up).double()  # [E, 2I, H]
-    down_all = dequantize(layer.experts_down).double()  # [E, H, I]
+    gu_all = dequantize(layer.gate_up).double()  # [E, 2I, H]
+    down_all = dequantize(layer.down).double()  # [E, H, I]
     inter = down_all.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):

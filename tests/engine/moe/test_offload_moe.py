@@ -32,15 +32,15 @@ def setup(seed: int, qtype: str = "Q4_0"):
 
 def check_bookkeeping(moe: OffloadMoE) -> None:
     slots = list(moe._lru.values())
-    assert len(slots) == len(set(slots)) and not set(slots) & set(moe._free)
-    assert len(slots) + len(moe._free) == moe.cache_size
+    assert len(slots) == len(set(slots)) and not set(slots) & set(moe._free_slots)
+    assert len(slots) + len(moe._free_slots) == moe.cache_size
     for (layer, e), slot in moe._lru.items():
         assert torch.equal(moe._cache[0].data[slot], moe.gate_up[layer].data[e]), (layer, e)
         assert torch.equal(moe._cache[1].data[slot], moe.down[layer].data[e]), (layer, e)
-    for b, layer in enumerate(moe._buf_layer):
+    for b, layer in enumerate(moe._stream_buffer_layer):
         if layer >= 0:
-            assert torch.equal(moe._bufs[b][0].data, moe.gate_up[layer].data), (b, layer)
-            assert torch.equal(moe._bufs[b][1].data, moe.down[layer].data), (b, layer)
+            assert torch.equal(moe._stream_buffers[b][0].data, moe.gate_up[layer].data), (b, layer)
+            assert torch.equal(moe._stream_buffers[b][1].data, moe.down[layer].data), (b, layer)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,15 +126,13 @@ def test_emulated_without_cache_decodes_on_host() -> None:
 
 
 def test_sizes_and_registry() -> None:
-    from types import SimpleNamespace
-
     from swaserve.engine.moe import get_moe_backend
 
     g, cfg, layers, _ = setup(0)
     per_layer = E * 2 * INTER * (HID // 32 * 18) + E * HID * (INTER // 32 * 18)
     assert expert_bytes(layers) == LAYERS * per_layer
     assert experts_fit(layers, torch.device("cpu"))
-    moe = get_moe_backend("offload", cfg, SimpleNamespace(layers=layers), "cpu", cache_size=7)
+    moe = get_moe_backend("offload", cfg, layers, "cpu", cache_size=7)
     assert isinstance(moe, OffloadMoE) and moe.cache_size == 0
     with pytest.raises(ValueError, match="cache-size"):
         OffloadMoE(cfg, layers, "cpu", cache_size=-1)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from gguf.quants import quantize
 
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe import get_moe_backend
+from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.moe.torch_backend import TorchMoE
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize
@@ -37,16 +36,16 @@ def _qweight(a: np.ndarray, qtype: str) -> QWeight:
     return QWeight("Q4_0", a.shape, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
-def _layer(qtype: str, seed: int) -> SimpleNamespace:
+def _layer(qtype: str, seed: int) -> ExpertWeights:
     rng = np.random.default_rng(seed)
     gu = (rng.standard_normal((E, 2 * INTER, HID)) * 0.2).astype(np.float32)
     down = (rng.standard_normal((E, HID, INTER)) * 0.2).astype(np.float32)
-    return SimpleNamespace(experts_gate_up=_qweight(gu, qtype), experts_down=_qweight(down, qtype))
+    return ExpertWeights(gate_up=_qweight(gu, qtype), down=_qweight(down, qtype))
 
 
-def _dense(layer: SimpleNamespace, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    gu_all = dequantize(layer.experts_gate_up).double()  # [E, 2I, H]
-    down_all = dequantize(layer.experts_down).double()  # [E, H, I]
+def _dense(layer: ExpertWeights, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gu_all = dequantize(layer.gate_up).double()  # [E, 2I, H]
+    down_all = dequantize(layer.down).double()  # [E, H, I]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
@@ -88,8 +87,8 @@ def test_unused_experts_and_skewed_routing() -> None:
 
 
 def test_registry() -> None:
-    weights = SimpleNamespace(layers=[_layer("F32", 0)])
-    assert isinstance(get_moe_backend("auto", _cfg(), weights, "cpu"), TorchMoE)
-    assert isinstance(get_moe_backend("torch", _cfg(), weights, torch.device("cpu")), TorchMoE)
+    experts = [_layer("F32", 0)]
+    assert isinstance(get_moe_backend("auto", _cfg(), experts, "cpu"), TorchMoE)
+    assert isinstance(get_moe_backend("torch", _cfg(), experts, torch.device("cpu")), TorchMoE)
     with pytest.raises(ValueError, match="unknown MoE backend"):
-        get_moe_backend("nope", _cfg(), weights, "cpu")
+        get_moe_backend("nope", _cfg(), experts, "cpu")

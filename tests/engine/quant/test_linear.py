@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, quants
 
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize, dequantize_rows
-from swaserve.engine.quant.linear import embedding, expert_slice, linear, set_cpu_fast_q4
+from swaserve.engine.quant.linear import embedding, expert_slice, linear
 
 
 def _qweight(w: np.ndarray, qtype: str) -> QWeight:
@@ -61,9 +61,9 @@ def test_linear_quantized_matches_dequant(qtype: str, shape: tuple[int, int], ro
     y = linear(x, qw)
     assert y.shape == (rows, shape[0]) and y.dtype == torch.float32
     _check_linear(y, x, _ref(w, qtype))
-    codes = qw.__dict__["_codes"][0]  # the exact path cached its int8 codes ...
+    codes = qw.cache.codes[0]  # the exact path cached its int8 codes ...
     _check_linear(linear(x, qw), x, _ref(w, qtype))
-    assert qw.__dict__["_codes"][0] is codes  # ... and reuses them
+    assert qw.cache.codes[0] is codes  # ... and reuses them
 
 
 def _q4_0_blocks(codes: np.ndarray, d: np.ndarray) -> QWeight:
@@ -99,7 +99,7 @@ def test_int4_repack_is_lossless() -> None:
     d = (rng.integers(1, 8, size=(n, nb)) * 2.0 ** rng.integers(-9, -3, size=(n, nb))).astype(np.float32)
     qw = _q4_0_blocks(codes, d)
     y = linear(torch.eye(k, dtype=torch.bfloat16), qw)  # [K, N] = W^T
-    assert "_int4" in qw.__dict__ and y.dtype == torch.bfloat16
+    assert qw.cache.int4 is not None and y.dtype == torch.bfloat16
     assert torch.equal(y.float().T, dequantize(qw))
 
 
@@ -113,7 +113,7 @@ def test_linear_q4_0_bf16(shape: tuple[int, int], rows: int) -> None:
     x = torch.from_numpy(rng.standard_normal((rows, shape[1])).astype(np.float32)).bfloat16()
     y = linear(x, qw)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0])
-    assert ("_int4" in qw.__dict__) == (shape[0] % 16 == 0)
+    assert (qw.cache.int4 is not None) == (shape[0] % 16 == 0)
     ref = x.double() @ _ref(w, "Q4_0").double().T
     scale = (x.double().abs() @ _ref(w, "Q4_0").double().abs().T).max().item()
     assert (y.double() - ref).abs().max().item() <= 1e-2 * scale
@@ -124,16 +124,12 @@ def test_cpu_fast_q4_switch() -> None:
     w = rng.standard_normal((32, 64)).astype(np.float32)
     x = torch.from_numpy(rng.standard_normal((4, 64)).astype(np.float32))
     qw = _qweight(w, "Q4_0")
-    set_cpu_fast_q4(True)
-    try:
-        y = linear(x, qw)
-    finally:
-        set_cpu_fast_q4(False)
-    assert y.dtype == torch.float32 and "_int4" in qw.__dict__ and "_codes" not in qw.__dict__
+    y = linear(x, qw, cpu_matmul="fast")
+    assert y.dtype == torch.float32 and qw.cache.int4 is not None and qw.cache.codes is None
     ref = x @ _ref(w, "Q4_0").T
     assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     linear(x, qw)
-    assert "_codes" in qw.__dict__  # switched back: the exact path
+    assert qw.cache.codes is not None  # switched back: the exact path
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "BF16"])
