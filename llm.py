@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.args import engine_config_from_kwargs
+from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import FinishReason, SamplingParams, TokenLogprob
-
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model_path"}
 
 
 @dataclass
@@ -30,20 +26,6 @@ class Output:
     matched_stop: str | int | None = None
 
 
-def build_engine_config(model_path: str | None = None, **kw) -> EngineConfig:
-    """EngineConfig from flat keyword arguments (CacheConfig / SchedulerConfig / EngineConfig field
-    names; `max_total_tokens` = full_tokens with swa_tokens from swa_full_tokens_ratio)."""
-    if "max_total_tokens" in kw:
-        kw["full_tokens"] = kw.pop("max_total_tokens")
-    unknown = set(kw) - _CACHE_FIELDS - _SCHED_FIELDS - _ENGINE_FIELDS
-    if unknown:
-        raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-    cache = CacheConfig(**{k: v for k, v in kw.items() if k in _CACHE_FIELDS})
-    sched = SchedulerConfig(**{k: v for k, v in kw.items() if k in _SCHED_FIELDS})
-    return EngineConfig(model_path=model_path, cache=cache, scheduler=sched,
-                        **{k: v for k, v in kw.items() if k in _ENGINE_FIELDS})
-
-
 class LLM:
     """Runs the engine synchronously in the calling thread (no server, no loop thread)."""
 
@@ -52,7 +34,7 @@ class LLM:
         from swaserve.engine.engine import Engine
         from swaserve.models.registry import load_model
 
-        cfg = config if config is not None else build_engine_config(model_path, **engine_kwargs)
+        cfg = config if config is not None else engine_config_from_kwargs(model_path, **engine_kwargs)
         self.engine = Engine(cfg, load_model(cfg, progress=progress))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

@@ -15,7 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from swaserve.engine.attention import ATTENTION_BACKENDS
 from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.moe import MOE_BACKENDS
+from swaserve.engine.registry import Registry
+
+_REGISTRIES: dict[str, Registry] = {"attention": ATTENTION_BACKENDS, "moe": MOE_BACKENDS}
 
 # argparse group title of each config's flags, in --help order
 _GROUPS: tuple[tuple[str, type], ...] = (
@@ -100,8 +105,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 kw["help"] = meta["help"]
             if kind is bool:
                 kw["action"] = "store_true"
-            elif meta["choices"] is not None or typing.get_origin(kind) is Literal:
-                kw["choices"] = list(meta["choices"] or typing.get_args(kind))
+            elif meta["backends"] is not None:
+                kw["choices"] = list(_REGISTRIES[meta["backends"]].choices)
+            elif typing.get_origin(kind) is Literal:
+                kw["choices"] = list(typing.get_args(kind))
             elif kind in (int, float) and (meta["min"] is not None or meta["max"] is not None):
                 kw["type"] = bounded_number(fl.flag, kind, meta["min"], meta["max"], meta["min_exclusive"])
             elif kind in (int, float):

@@ -13,9 +13,6 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal
 
-from swaserve.engine.attention import ATTENTION_BACKENDS
-from swaserve.engine.moe import MOE_BACKENDS
-
 LayerType = Literal["sliding", "full"]
 
 
@@ -72,12 +69,14 @@ CpuMatmul = Literal["exact", "fast"]  # see EngineConfig.cpu_matmul
 
 def option(default: Any = MISSING, flag: str | None = None, *, help: str | None = None,
            min: float | None = None, max: float | None = None, min_exclusive: bool = False,
-           choices: tuple[str, ...] | None = None, default_factory: Callable[[], Any] | None = None) -> Any:
+           backends: str | None = None, default_factory: Callable[[], Any] | None = None) -> Any:
     """A config field and the command-line flag that sets it: `flag` (its words, joined by `_`, name
     the argparse attribute), `help`, numeric bounds checked when the flag is parsed (`min` <= v, or
-    `min` < v with min_exclusive; v <= `max`) and `choices` (default: the field's Literal values)."""
+    `min` < v with min_exclusive; v <= `max`). Choices are the field's Literal values, or for
+    `backends="attention" | "moe"` the names registered in that backend family (engine/args.py reads
+    the registry, so this module imports no backend package)."""
     meta = {"flag": flag, "help": help, "min": min, "max": max, "min_exclusive": min_exclusive,
-            "choices": choices}
+            "backends": backends}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -131,8 +130,8 @@ class EngineConfig:
     model_path: str | None = option(
         None, "--model", help="path to a Gemma 4 GGUF (default: the built-in demo model)")
     device: str = option("auto", "--device", help="cpu, cuda, cuda:N or auto (default)")  # auto: cuda if any
-    attention_backend: str = option("auto", "--attention-backend", choices=ATTENTION_BACKENDS.choices)
-    moe_backend: str = option("auto", "--moe-backend", choices=MOE_BACKENDS.choices)
+    attention_backend: str = option("auto", "--attention-backend", backends="attention")
+    moe_backend: str = option("auto", "--moe-backend", backends="moe")
     moe_cache_size: int = option(
         0, "--moe-cache-size", min=0,
         help="experts kept on the GPU by the offload backend (0 = size from free memory)")

@@ -48,8 +48,7 @@ class Engine:
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.runner = parts.runner
-        # MERGE: cfg.debug_checks. Cache integrity after every step (tests, debugging).
-        self.debug_checks = getattr(cfg, "debug_checks", False)
+        self.debug_checks = cfg.debug_checks  # cache integrity after every step (tests, debugging)
         self.log_requests = True  # one INFO line per finished request; the server logs its own instead
         mc = self.model_config
         log.info("engine for %s ready in %.1fs (%d layers, window %d, context %d, device %s)",

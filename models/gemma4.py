@@ -1,6 +1,6 @@
 """The Gemma 4 text model (26B-A4B architecture) over the paged KV pools.
 
-Facts: shared/reference/gemma4.md. Sliding and full layers differ in head_dim, KV heads and rope;
+Facts: docs/model.md. Sliding and full layers differ in head_dim, KV heads and rope;
 full layers use K = V (no v_proj) and "proportional" rope (only the first pairs rotate). Every
 decoder layer has a dense MLP and a routed MoE whose outputs are summed. Norms run in fp32 with
 the raw weight (no 1 + w); v_norm and the router norm have no weight. Linears go through

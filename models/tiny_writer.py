@@ -94,7 +94,7 @@ def _value_type(key: str, val: Any) -> tuple[GGUFValueType, GGUFValueType | None
 
 
 def add_model_metadata(w: GGUFWriter, cfg: ModelConfig, qtype: str, name: str) -> None:
-    """The `gemma4.*` keys llama.cpp's gemma4 loader reads (see shared/reference/gemma4.md)."""
+    """The `gemma4.*` keys llama.cpp's gemma4 loader reads."""
     kv_heads = [cfg.num_kv_heads_swa if t == "sliding" else cfg.num_kv_heads_full for t in cfg.layer_types]
     w.add_name(name)
     w.add_file_type(int(_FILE_TYPE[qtype]))

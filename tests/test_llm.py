@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from swaserve import cli
+from swaserve.engine.args import engine_config_from_kwargs
 from swaserve.engine.core import SamplingParams
-from swaserve.llm import LLM, build_engine_config
+from swaserve.llm import LLM
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +16,12 @@ def llm() -> LLM:
 
 
 def test_build_engine_config_maps_flat_kwargs():
-    cfg = build_engine_config(None, page_size=4, max_running_requests=3, cache_type="naive", device="cpu",
-                              max_total_tokens=1000)
+    cfg = engine_config_from_kwargs(None, page_size=4, max_running_requests=3, cache_type="naive",
+                                    device="cpu", max_total_tokens=1000)
     assert cfg.cache.page_size == 4 and cfg.cache.cache_type == "naive" and cfg.cache.full_tokens == 1000
     assert cfg.scheduler.max_running_requests == 3 and cfg.device == "cpu"
     with pytest.raises(ValueError, match="unknown engine argument"):
-        build_engine_config(None, page_sise=4)
+        engine_config_from_kwargs(None, page_sise=4)
 
 
 def test_generate_text_and_ids(llm):
