@@ -27,7 +27,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
     The caller protocol is in engine/kvcache/base.py."""
 
     def __init__(self, page_size: int, window: int, full_alloc: PageAllocator, swa_alloc: PageAllocator,
-                 swa_retain_tokens: int = 512, policy: str = "lazy"):
+                 swa_retain_tokens: int = 512, policy: str = "lazy", anchors: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if window < 1:
@@ -40,6 +40,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         self.window = window
         self.swa_retain_tokens = swa_retain_tokens  # divergence before an anchor whose window is kept
         self.retain_policy = policy
+        self.use_anchors = anchors  # False: no anchor of any kind (the ablation benchmarks compare against)
         self.full_alloc = full_alloc
         self.swa_alloc = swa_alloc
         self._clock = 0
@@ -207,12 +208,14 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         if free_swa:
             self.swa_alloc.free(free_swa)
         handle = path[-1] if path else self.root
-        for nd in branches:
-            self._add_anchor(nd, nd.end_page, nd.end_page * P)
-        ends = [nd.end_page for nd in path]
         extra = [prompt_len] if prompt_len is not None else []
         if finished:
             extra.append(len(ids))
+        if not self.use_anchors:
+            branches, anchors, extra = [], (), []
+        for nd in branches:
+            self._add_anchor(nd, nd.end_page, nd.end_page * P)
+        ends = [nd.end_page for nd in path]
         for a in (*anchors, *extra):
             if 0 < a <= len(ids) and n > 0:
                 hi = min(-(-a // P), n)
