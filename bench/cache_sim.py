@@ -7,8 +7,9 @@ to keep-everything (a pool too large to ever evict), the upper bound.
     python -m swaserve.bench.cache_sim --json           # one JSON object per row
     python -m swaserve.bench.cache_sim --workload multiturn --windows 8,16 --policy lazy
 
-Pools: `swa_pool_windows` x window tokens of SWA KV and 4x as many tokens of full-attention KV (the
-split the issue measured); `roomy` is large enough to hold every trace's KV.
+Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what the running requests
+need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
+and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV.
 """
 
 from __future__ import annotations
@@ -107,12 +108,20 @@ class AnswerModel:
             assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
 
 
+def running_pages(geo: Geometry) -> int:
+    """SWA pages the running requests need (engine/builder.py's minimum): each its window and two pages,
+    plus one prefill chunk."""
+    per_req = -(-geo.window // geo.page_size) + 2
+    return geo.concurrency * per_req + -(-geo.chunk // geo.page_size) + 1
+
+
 def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry) -> tuple[int, int]:
-    """(full pages, SWA pages) of a pool of `windows` windows, or of a roomy one."""
+    """(full pages, SWA pages): an SWA pool that holds `windows` windows of cache besides what the
+    running requests need, and a full pool of full_per_swa times as many tokens; or a roomy pair."""
     if windows == ROOMY:
         total = sum(len(r.prompt) + len(r.answer) for r in trace) // geo.page_size + 1024
         return total, total
-    swa = int(windows) * geo.window // geo.page_size
+    swa = int(windows) * geo.window // geo.page_size + running_pages(geo)
     return geo.full_per_swa * swa, swa
 
 
@@ -216,7 +225,8 @@ def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad:
-        raise argparse.ArgumentTypeError(f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
+        raise argparse.ArgumentTypeError(
+            f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
     return items
 
 
@@ -249,14 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except argparse.ArgumentTypeError as e:  # raised by a type= callback outside argparse's own handling
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.concurrency < 1:
-        print("error: --concurrency must be at least 1", file=sys.stderr)
-        return 2
+        parser.error("--concurrency must be at least 1")
     geo = Geometry(concurrency=args.concurrency)
     rows = run_table(args.workload, args.policy, args.windows, geo, check=args.check, progress=not args.json)
     if args.json:

@@ -46,9 +46,9 @@ def fanout(shape: TraceShape, order: str, seed: int = 0) -> list[TraceRequest]:
     group after the other) or "rr" (round-robin over the groups)."""
     rng = random.Random(seed * 7919 + 1)
     systems = [_tokens(rng, shape.system_len) for _ in range(shape.groups)]
-    by_group = [[TraceRequest(systems[g] + _tokens(rng, shape.question_len), _tokens(rng, shape.fanout_answer_len),
-                              (shape.system_len,), f"g{g}") for _ in range(shape.per_group)]
-                for g in range(shape.groups)]
+    by_group = [[TraceRequest(systems[g] + _tokens(rng, shape.question_len),
+                              _tokens(rng, shape.fanout_answer_len), (shape.system_len,), f"g{g}")
+                 for _ in range(shape.per_group)] for g in range(shape.groups)]
     if order == "seq":
         return [r for group in by_group for r in group]
     if order == "rr":
@@ -68,7 +68,7 @@ def multiturn(shape: TraceShape, seed: int = 0) -> list[TraceRequest]:
         for _ in range(shape.turns):
             answer = _tokens(rng, shape.turn_answer_len)
             turns.append(TraceRequest(prompt, answer, tuple(anchors), f"c{c}"))
-            anchors += [len(prompt), len(prompt) + len(answer)]  # the answer's and the next user message's starts
+            anchors += [len(prompt), len(prompt) + len(answer)]  # starts of the answer and the next message
             prompt = prompt + answer + _tokens(rng, shape.user_len)
         convs.append(turns)
     return [convs[c][t] for t in range(shape.turns) for c in range(shape.conversations)]

@@ -34,9 +34,9 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
             assert ch.live_swa == n - ch.swa_pages.count(None), f"{ch}: live count"
             below = sum(c.full_locks for c in ch.children.values())
             assert ch.handle_locks >= 0 and ch.full_locks == ch.handle_locks + below, f"{ch}: full lock count"
-            for hi, lo in ch.anchors.items():
-                assert ch.start_page < hi <= ch.end_page and 0 <= lo < hi, \
-                    f"{ch}: anchor {lo}..{hi} out of place"
+            for hi, an in ch.anchors.items():
+                assert ch.start_page < hi <= ch.end_page and 0 <= an.lo <= an.core_lo < hi, \
+                    f"{ch}: anchor {an} ending at {hi} out of place"
             for f in ch.full_pages:
                 assert 0 <= f < fa.num_total and f not in seen_full, f"full page {f} twice in the tree"
                 assert not fa.is_free(f), f"full page {f} in the tree and free"
@@ -58,8 +58,8 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
                 arr = exp_lock[id(x)]
                 for i in range(a, b):
                     arr[i] += nd.handle_locks
-        for hi, lo in nd.anchors.items():
-            for x, a, b in path_ranges(nd, lo, hi):
+        for hi, an in nd.anchors.items():
+            for x, a, b in path_ranges(nd, an.lo, hi):
                 arr = exp_prot[id(x)]
                 for i in range(a, b):
                     arr[i] += 1

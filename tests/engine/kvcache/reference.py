@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from swaserve.engine.kvcache import SWARadixCache
+from tests.engine.kvcache.reference_anchors import AnchorModel, dump_anchors
 
 Key = tuple[int, ...]
 
@@ -58,6 +59,7 @@ class CheckedCache:
         self.P, self.W = cache.page_size, cache.window
         self.state: dict[Key, list[Any]] = {}  # key -> [full, swa]
         self.locks: Counter[Key] = Counter()  # locked handles by their token prefix
+        self.am = AnchorModel(cache, self.state)  # anchors, their history and retention order
 
     # ---- reference rules ---------------------------------------------------------------------
     def keys_of(self, ids: list[int], k: int) -> list[Key]:
@@ -100,10 +102,12 @@ class CheckedCache:
         for k, v in d.items():
             assert (v[2] > 0) == (k in ls), f"SWA lock of page {len(k) // self.P - 1} wrong"
         assert self.c.full_locked == len(lf)
+        self.am.sync()
 
     # ---- checked calls ------------------------------------------------------------------------
     def match(self, ids: list[int]) -> Any:
         k = self.reuse(ids)
+        self.am.on_match(ids, k)
         m = self.c.match(ids)
         assert m.reused_len == k * self.P, f"reused {m.reused_len}, reference {k * self.P}"
         keys = self.keys_of(ids, k)
@@ -131,6 +135,7 @@ class CheckedCache:
         n = len(ids) // P
         free_f, free_s = c.full_alloc.num_free, c.swa_alloc.num_free
         dup_f = dup_s = 0
+        new_keys = [key for key in self.keys_of(ids, n) if key not in self.state]
         for j, key in enumerate(self.keys_of(ids, n)):
             if key in self.state:
                 t = self.state[key]
@@ -142,6 +147,7 @@ class CheckedCache:
                         dup_s += 1
             else:
                 self.state[key] = [full[j], swa[j]]
+        self.am.on_insert(ids, new_keys, anchors, prompt_len, finished)  # on the tree with the new pages
         trimmed = 0
         if finished and c.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
@@ -165,6 +171,7 @@ class CheckedCache:
     def evict_swa(self, n: int) -> int:
         c = self.c
         before = dump(c)
+        anchors_before = {k: list(v) for k, v in self.am.anchors.items()}
         free0, full_free0 = c.swa_alloc.num_free, c.full_alloc.num_free
         evictable = c.evictable_swa()
         got = c.evict_swa(n)
@@ -180,6 +187,7 @@ class CheckedCache:
             assert not [k for k, v in after.items() if v[1] is not None and v[2] == 0 and before[k][3] == 0]
         for k in gone:
             self.state[k][1] = None
+        self.am.check_evict_swa(anchors_before, dump_anchors(c))
         self.sync_check()
         return got
 
@@ -205,10 +213,13 @@ class CheckedCache:
             assert sum(1 for k in before if k not in reachable and k not in locked) < n
         for k in gone:
             del self.state[k]
+        for k in [k for k in self.am.anchors if k in gone]:  # anchors go with their pages
+            self.am.drop(k)
         self.sync_check()
         return got
 
     def reset(self) -> None:
         self.c.reset()
         self.state.clear()
+        self.am.reset()
         self.sync_check()
