@@ -45,6 +45,7 @@ class Engine:
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc
         self.swa_alloc = parts.swa_alloc
+        self.arena = parts.arena
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.runner = parts.runner
@@ -210,20 +211,23 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue lengths, both pools' pages (total / free / used by requests / cached), prefix-cache
-        counters and token totals."""
+        """Queue lengths; per page kind the pages its arena blocks hold now (total = free + used by
+        requests + cached), what can be allocated now and the most the arena could hold of it; the
+        arena's blocks; prefix-cache counters and token totals."""
         sched = self.scheduler
         used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
         for name, alloc, used in (("full_pool", self.full_alloc, used_full),
                                   ("swa_pool", self.swa_alloc, used_swa)):
-            total, free = alloc.num_total, alloc.num_free
-            pools[name] = {"total": total, "free": free, "used": used, "cached": total - free - used,
-                           "usage": used / total if total else 0.0}
+            cap = alloc.num_total
+            pools[name] = {"total": alloc.num_carved, "free": alloc.num_carved_free, "used": used,
+                           "cached": alloc.num_used - used, "allocatable": alloc.num_free, "capacity": cap,
+                           "usage": used / cap if cap else 0.0}
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             **pools,
+            "arena": self.arena.stats(),
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "num_preemptions": sched.num_preemptions,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 
-from swaserve.engine.kvcache.allocator import PageAllocator
+from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.node import Anchor, Node, page_key, path_ranges
 
 MAX_LOST_KEYS = 8  # remembered evicted continuations per node end
@@ -39,8 +39,8 @@ class EvictionMixin:
     _nodes: set[Node]
     full_cached: int
     swa_cached: int
-    full_alloc: PageAllocator
-    swa_alloc: PageAllocator
+    full_alloc: PagePool
+    swa_alloc: PagePool
     evicted_full_pages: int
     evicted_swa_pages: int
     trimmed_swa_pages: int
@@ -58,8 +58,9 @@ class EvictionMixin:
         raise NotImplementedError
 
     # ---- SWA pool ---------------------------------------------------------------------------
-    def evict_swa(self, num_pages: int) -> int:
-        """Free at least num_pages SWA pages if possible (never a locked one); returns the number freed."""
+    def evict_swa(self, num_pages: int, unprotected_only: bool = False) -> int:
+        """Free at least num_pages SWA pages if possible (never a locked one); returns the number freed.
+        unprotected_only: tier 1 alone."""
         if num_pages <= 0 or not self.swa_cached:
             return 0
         freed: list[int] = []
@@ -75,7 +76,7 @@ class EvictionMixin:
                         break
             if len(freed) >= num_pages:
                 break
-        if len(freed) < num_pages:
+        if len(freed) < num_pages and not unprotected_only:
             redundant, others = self.anchors_in_order()
             for nd, hi in redundant + others:  # 2: the divergence slack of every anchor
                 if len(freed) >= num_pages:
@@ -129,9 +130,9 @@ class EvictionMixin:
         self.swa_alloc.free(freed)
 
     # ---- full pool --------------------------------------------------------------------------
-    def evict_full(self, num_pages: int) -> int:
+    def evict_full(self, num_pages: int, dead_only: bool = False) -> int:
         """Free at least num_pages full pages if possible (never a locked node); returns the number freed.
-        The SWA pages of removed pages are freed as well."""
+        The SWA pages of removed pages are freed as well. dead_only: step 1 alone."""
         if num_pages <= 0 or not self.full_cached:
             return 0
         before = self.full_cached
@@ -154,8 +155,8 @@ class EvictionMixin:
             if parent is not self.root and not parent.children and not parent.full_locks \
                     and dead_from(parent) < parent.end_page:
                 heapq.heappush(heap, (parent.last_access, parent.start_page, id(parent), parent))
-        heap = [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
-                if not nd.children and not nd.full_locks]
+        heap = [] if dead_only else [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
+                                     if not nd.children and not nd.full_locks]
         heapq.heapify(heap)
         while heap and before - self.full_cached < num_pages:  # 2: LRU unlocked leaves
             nd = heapq.heappop(heap)[3]

@@ -75,9 +75,10 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
     assert cache.swa_cached == len(seen_swa), f"SWA counter {cache.swa_cached} != {len(seen_swa)}"
     assert cache.full_locked == locked_full, f"locked full counter {cache.full_locked} != {locked_full}"
     assert cache.swa_locked == locked_swa, f"locked SWA counter {cache.swa_locked} != {locked_swa}"
+    # pages handed out == held by requests + cached (with a PageAllocator: free + used + cached == total)
     if used_full is not None:
-        assert fa.num_free + used_full + len(seen_full) == fa.num_total, \
-            f"full pool: free {fa.num_free} + used {used_full} + cached {len(seen_full)} != {fa.num_total}"
+        assert fa.num_used == used_full + len(seen_full), \
+            f"full pages: handed out {fa.num_used} != used {used_full} + cached {len(seen_full)}"
     if used_swa is not None:
-        assert sa.num_free + used_swa + len(seen_swa) == sa.num_total, \
-            f"SWA pool: free {sa.num_free} + used {used_swa} + cached {len(seen_swa)} != {sa.num_total}"
+        assert sa.num_used == used_swa + len(seen_swa), \
+            f"SWA pages: handed out {sa.num_used} != used {used_swa} + cached {len(seen_swa)}"

@@ -15,7 +15,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from swaserve.engine.kvcache.allocator import PageAllocator
+from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
 from swaserve.engine.kvcache.eviction import EvictionMixin
 from swaserve.engine.kvcache.integrity import check_cache
@@ -27,7 +27,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
     """Radix tree at page granularity; each page holds a full page id and an SWA page id or None.
     The caller protocol is in engine/kvcache/base.py."""
 
-    def __init__(self, page_size: int, window: int, full_alloc: PageAllocator, swa_alloc: PageAllocator,
+    def __init__(self, page_size: int, window: int, full_alloc: PagePool, swa_alloc: PagePool,
                  swa_retain_tokens: int = 512, policy: str = "lazy", anchors: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
