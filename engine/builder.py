@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -103,6 +104,7 @@ class EngineParts:
     device: torch.device
     context_length: int  # the model's (or --context-length), capped by the full KV pool
     tokenizer: Tokenizer
+    tokenizer_metadata: dict[str, Any]  # the GGUF's tokenizer.* keys (a server process rebuilds from them)
     chat_template: ChatTemplate | None  # None when the GGUF has no tokenizer.chat_template
     eos_ids: frozenset[int]
     pool: KVPool
@@ -152,6 +154,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         device=device,
         context_length=context,
         tokenizer=tokenizer,
+        tokenizer_metadata={k: v for k, v in bundle.metadata.items() if k.startswith("tokenizer.")},
         chat_template=chat_template,
         eos_ids=frozenset(tokenizer.eos_ids) | frozenset(model_cfg.eos_token_ids),
         pool=pool,

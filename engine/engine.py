@@ -40,6 +40,7 @@ class Engine:
         self.device = parts.device
         self.context_length = parts.context_length
         self.tokenizer = parts.tokenizer
+        self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool

@@ -7,9 +7,14 @@ import dataclasses
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from swaserve.server.app import build_app
 from swaserve.server.state import ServerConfig
+
+if TYPE_CHECKING:
+    from swaserve.engine.config import EngineConfig
+    from swaserve.engine.engine import Engine
 
 logger = logging.getLogger("swaserve.server")
 
@@ -34,6 +39,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine on a thread of the server's process instead of its own process "
+                        "(debugging; the engine then gets all cores but one by default)")
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -60,6 +68,14 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         enable_cache_report=args.enable_cache_report)
 
 
+def build_engine_core(cfg: EngineConfig) -> Engine:
+    """Load the model and build the synchronous engine (in the engine process, or on a server thread)."""
+    from swaserve.engine.engine import Engine
+    from swaserve.models.registry import load_model
+
+    return Engine(cfg, load_model(cfg, progress=True))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Validate every flag, then serve at once while the model loads in a background thread."""
     import uvicorn
@@ -67,20 +83,22 @@ def run_serve(args: argparse.Namespace) -> int:
     from swaserve.engine.args import engine_config_from_args
 
     engine_cfg = engine_config_from_args(args)  # ValueError: one line from cli.py, nothing loaded
-    if engine_cfg.cpu_threads is None:
-        # Leave a core to the HTTP event loop: an OpenMP team that shares its cores with another busy
-        # thread stalls at every barrier (measured: 13.5k-token prefill 4.9 s with 1 thread on 2 cores,
-        # 23-35 s with 2).
+    if engine_cfg.cpu_threads is None and not args.engine_process:
+        # In one process, leave a core to the HTTP event loop: an OpenMP team that shares its cores with
+        # another busy thread of its process stalls at every barrier (measured: 13.5k-token prefill 4.9 s
+        # with 1 thread on 2 cores, 23-35 s with 2). In its own process the engine takes every core.
         engine_cfg = dataclasses.replace(engine_cfg, cpu_threads=max(1, (os.cpu_count() or 1) - 1))
     server_cfg = server_config_from_args(args)
     _check_bind(args.host, args.port)
 
     def load():
-        from swaserve.engine.async_engine import AsyncEngine
-        from swaserve.engine.engine import Engine
-        from swaserve.models.registry import load_model
+        if args.engine_process:
+            from swaserve.engine.engine_process import EngineClient
 
-        return AsyncEngine(Engine(engine_cfg, load_model(engine_cfg, progress=True)))
+            return EngineClient(build_engine_core, engine_cfg)
+        from swaserve.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(build_engine_core(engine_cfg))
 
     app = build_app(load, server_cfg)
     state = app.state.swa

@@ -15,6 +15,10 @@ from swaserve.server.reasoning import SpecialText
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.engine_process import EngineClient
+
+    # what the routes drive: the engine on a thread of this process, or in its own process
+    ServedEngine = AsyncEngine | EngineClient
 
 logger = logging.getLogger("swaserve.server")
 
@@ -30,10 +34,10 @@ class ServerConfig:
 class ServerState:
     """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
 
-    def __init__(self, cfg: ServerConfig, engine: AsyncEngine | None,
-                 loader: Callable[[], AsyncEngine] | None = None):
+    def __init__(self, cfg: ServerConfig, engine: ServedEngine | None,
+                 loader: Callable[[], ServedEngine] | None = None):
         self.cfg = cfg
-        self.engine: AsyncEngine | None = engine
+        self.engine: ServedEngine | None = engine
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -78,7 +82,7 @@ class ServerState:
             self.engine.shutdown()
 
     # --- accessors -----------------------------------------------------------------------------
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> ServedEngine:
         if self.engine is not None:
             return self.engine
         if self.load_error is not None:
