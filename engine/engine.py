@@ -211,7 +211,7 @@ class Engine:
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Queue lengths and their cap, the page size, both pools' pages (total / free / used by requests /
-        cached), prefix-cache counters and token totals."""
+        cached), prefix-cache counters, token totals and the seconds spent in steps."""
         sched = self.scheduler
         used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
@@ -231,6 +231,7 @@ class Engine:
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "busy_seconds_total": self.step_time,
         }
 
     def flush_cache(self) -> bool:

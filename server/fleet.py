@@ -123,10 +123,17 @@ def _url(host: str, port: int) -> str:
 
 def router_command(worker_urls: list[str], host: str, port: int, policy: str, *, log_level: str = "warn",
                    api_key: str | None = None, metrics_port: int | None = None,
-                   extra: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """`python -m smg launch ...` in front of `worker_urls`; `extra` flags come last and win."""
+                   max_running_requests: int = 64, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """`python -m smg launch ...` in front of `worker_urls`; `extra` flags come last and win.
+
+    smg leaves a worker out of routing once it reports 8 waiting requests (its default). A swaserve
+    replica queues a burst of siblings behind one prefill of their shared prefix, a short wait: at 8
+    the veto sent half the fan-out groups of a 64-request burst to the replica without their prefix
+    (docs/scale-out.md). The fleet moves the threshold to a replica's --max-running-requests: a queue
+    of a whole batch is overload."""
     argv = [sys.executable, "-m", "smg", "launch", "--host", host, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, *ROUTER_DEFAULTS,
+            "--worker-overload-waiting-requests", str(max_running_requests),
             *POLICY_DEFAULTS.get(policy, ()), "--log-level", log_level,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port or free_port())]
     if api_key:
@@ -189,7 +196,7 @@ def plan_fleet(args: argparse.Namespace, raw: list[str]) -> FleetPlan:
     except ValueError as e:
         raise ValueError(f"--router-args: {e}") from None
     router = router_command(urls, args.host, args.port, args.policy, log_level=args.router_log_level,
-                            api_key=args.api_key, extra=extra)
+                            api_key=args.api_key, max_running_requests=args.max_running_requests, extra=extra)
     return FleetPlan(argvs, urls, router, _url(args.host, args.port), cpu_note, args.api_key)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
@@ -36,19 +35,23 @@ def _version() -> str:
 
 
 class ThroughputSampler:
-    """Generated tokens per second between two consecutive load polls (0.0 on the first poll)."""
+    """Generated tokens per second of engine work (steps), between two load polls; sticky: a poll with no
+    work since the last one repeats the last rate (an idle replica is not a slow one). 0.0 until the
+    engine has generated, which smg reads as "unknown" (its --least-load-default-throughput)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: tuple[float, int] | None = None  # (monotonic seconds, generation_tokens_total)
+        self._last: tuple[float, int] | None = None  # (busy_seconds_total, generation_tokens_total)
+        self._rate = 0.0
 
-    def sample(self, generated_total: int, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
+    def sample(self, busy_seconds: float, generated_total: int) -> float:
         with self._lock:
-            last, self._last = self._last, (now, generated_total)
-        if last is None or now <= last[0] or generated_total < last[1]:
-            return 0.0
-        return (generated_total - last[1]) / (now - last[0])
+            last, self._last = self._last, (busy_seconds, generated_total)
+            if last is not None and busy_seconds > last[0] and generated_total > last[1]:
+                self._rate = (generated_total - last[1]) / (busy_seconds - last[0])
+            elif last is not None and generated_total < last[1]:  # counters restarted
+                self._rate = 0.0
+            return self._rate
 
 
 def load_report(stats: dict[str, Any], gen_throughput: float) -> dict[str, Any]:
@@ -93,7 +96,9 @@ async def loads(request: Request) -> Response:
     if sampler is None:
         sampler = request.app.state.swa_throughput = ThroughputSampler()
     stats = engine.stats()
-    return JSONResponse(load_report(stats, sampler.sample(int(stats.get("generation_tokens_total", 0)))))
+    rate = sampler.sample(float(stats.get("busy_seconds_total", 0.0)),
+                          int(stats.get("generation_tokens_total", 0)))
+    return JSONResponse(load_report(stats, rate))
 
 
 class DrainGate:

@@ -120,7 +120,8 @@ def test_api_key_on_router_and_replica(engine: Any) -> None:
             assert h.post(f"{router.url}/v1/chat/completions", json=body).status_code == 401
             bad = {"Authorization": "Bearer nope"}
             assert h.post(f"{router.url}/v1/chat/completions", json=body, headers=bad).status_code == 401
-            ok = h.post(f"{router.url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k3y"})
+            good = {"Authorization": "Bearer k3y"}
+            ok = h.post(f"{router.url}/v1/chat/completions", json=body, headers=good)
             assert ok.status_code == 200 and ok.headers[ROUTED] == s.url
     finally:
         router.stop()

@@ -45,12 +45,13 @@ def test_load_report_fields_from_engine_stats():
     assert empty["token_usage"] == 0.0 and empty["max_total_num_tokens"] == 0 and empty["cache_hit_rate"] == 0
 
 
-def test_throughput_sampler_rate_between_polls():
+def test_throughput_sampler_rate_of_engine_work():
     s = ThroughputSampler()
-    assert s.sample(500, now=10.0) == 0.0  # first poll: no interval yet
-    assert s.sample(700, now=12.0) == pytest.approx(100.0)
-    assert s.sample(100, now=13.0) == 0.0  # a counter that went back (restart): no rate
-    assert s.sample(100, now=13.0) == 0.0  # no time passed
+    assert s.sample(0.0, 0) == 0.0  # nothing generated yet: unknown
+    assert s.sample(4.0, 200) == pytest.approx(50.0)  # 200 tokens in 4 s of steps
+    assert s.sample(4.0, 200) == pytest.approx(50.0)  # idle since: the last rate, not 0
+    assert s.sample(5.0, 300) == pytest.approx(100.0)
+    assert s.sample(1.0, 10) == 0.0  # counters went back (a new engine): unknown again
 
 
 def test_loads_endpoint_on_the_live_server(server: LiveServer, engine):
