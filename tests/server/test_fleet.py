@@ -145,6 +145,7 @@ def test_loopback_affinity_failover_and_ctrl_c(tmp_path):
         wl = fanout_workload(6, 4, 768, 48, 2, tpw)
         other = "cache_aware" if DEFAULT_POLICY == "prefix_hash" else "prefix_hash"
         res = compare(fleet, model, [DEFAULT_POLICY, other, "round_robin"], wl, None)
+        print({k: (round(v["cached_share"], 3), v["groups_on_one_replica"]) for k, v in res.items()})
         single = res["single"]["cached_share"]
         assert single > 0.5 and all(r["errors"] == 0 for r in res.values()), res
         for policy in (DEFAULT_POLICY, other):  # prefix affinity keeps the single replica's reuse
@@ -155,6 +156,7 @@ def test_loopback_affinity_failover_and_ctrl_c(tmp_path):
         victim, survivor = fleet.replica_urls[1], fleet.replica_urls[0]
         drill = asyncio.run(failover_drill(fleet.url, model, victim, fleet.replica_pid(victim), {survivor},
                                            tpw, long_tokens=160, in_flight=2, clients=2, rejoin_timeout=240))
+        print(drill)
         for r in drill["in_flight_streams"]:  # cut streams end with an error event, never hang
             assert r["outcome"] in ("error event + [DONE]", "ok"), drill
         for r in drill["in_flight_non_streams"]:  # re-run on the survivor by the router

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,7 @@ def test_register_load_drain(replicas: tuple[LiveServer, LiveServer, LiveServer,
 
             # ... and joins once loaded
             gate.set()
+            assert c.state.wait_loaded(30)  # /health turns 200 here
             joined = router.wait_workers({a.url, b.url, c.url}, timeout=30)
             assert joined < 10, joined
             seen: set[str] = set()
@@ -90,6 +92,7 @@ def test_register_load_drain(replicas: tuple[LiveServer, LiveServer, LiveServer,
                 lines = r.iter_lines()
                 next(line for line in lines if line.startswith("data:"))
                 a.state.start_draining()
+                t_drain = time.monotonic()
                 assert h.get(f"{a.url}/health").status_code == 503
                 after: list[tuple[int, str | None, dict]] = []
 
@@ -103,6 +106,9 @@ def test_register_load_drain(replicas: tuple[LiveServer, LiveServer, LiveServer,
             assert rest[-1] == "data: [DONE]"
             assert all("error" not in json.loads(x[5:]) for x in rest[:-1])
             router.wait_workers({b.url, c.url}, timeout=20)
+            left = time.monotonic() - t_drain
+            print(f"loading replica routable {joined:.2f} s after it loaded; draining replica out of the "
+                  f"router's healthy set {left:.2f} s after start_draining()")
             for i in range(6):
                 code, w, _ = post(h, router.url, chat_body(SERVED, prompt, f"after {i}"))
                 assert code == 200 and w != a.url
