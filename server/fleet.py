@@ -99,6 +99,7 @@ class FleetPlan:
     router_url: str
     cpu_note: str | None
     api_key: str | None
+    metrics_url: str
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -195,9 +196,17 @@ def plan_fleet(args: argparse.Namespace, raw: list[str]) -> FleetPlan:
         extra = shlex.split(args.router_args)
     except ValueError as e:
         raise ValueError(f"--router-args: {e}") from None
+    metrics_port = free_port()
+    if "--prometheus-port" in extra[:-1]:
+        value = extra[extra.index("--prometheus-port") + 1]
+        if not value.isdigit():
+            raise ValueError(f"--router-args: --prometheus-port must be a port number, got {value!r}")
+        metrics_port = int(value)
     router = router_command(urls, args.host, args.port, args.policy, log_level=args.router_log_level,
-                            api_key=args.api_key, max_running_requests=args.max_running_requests, extra=extra)
-    return FleetPlan(argvs, urls, router, _url(args.host, args.port), cpu_note, args.api_key)
+                            api_key=args.api_key, metrics_port=metrics_port,
+                            max_running_requests=args.max_running_requests, extra=extra)
+    return FleetPlan(argvs, urls, router, _url(args.host, args.port), cpu_note, args.api_key,
+                     f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 class Fleet:
@@ -247,6 +256,7 @@ class Fleet:
                 return False
             logger.info("%s ready (%d/%d) after %.1f s", child.name, i + 1, len(self.replicas),
                         time.monotonic() - t0)
+        logger.info("starting the router: %s", shlex.join(self.plan.router_argv))
         self.router = Child("router", self.plan.router_argv, self._log_path("router"))
         want = set(self.plan.replica_urls)
         if not wait_until(lambda: healthy_workers(self.plan.router_url, self._headers()) >= want, 120,
@@ -315,8 +325,8 @@ def run_fleet(args: argparse.Namespace, raw: list[str]) -> int:
     rc = 1
     try:
         if fleet.start():
-            logger.info("swaserve fleet ready: %s/v1 (smg, policy %s) in front of %s", plan.router_url,
-                        args.policy, ", ".join(plan.replica_urls))
+            logger.info("swaserve fleet ready: %s/v1 (smg, policy %s) in front of %s; router metrics %s",
+                        plan.router_url, args.policy, ", ".join(plan.replica_urls), plan.metrics_url)
             print(f"swaserve fleet: serving on {plan.router_url}/v1 (policy {args.policy}; replicas "
                   f"{' '.join(plan.replica_urls)}); Ctrl-C stops everything", flush=True)
             rc = fleet.watch()

@@ -25,12 +25,15 @@ _PR_SET_PDEATHSIG = 1
 _OUTPUT_LOCK = threading.Lock()
 
 
+try:  # resolved here, not in the forked child (no dynamic loading between fork and exec)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the fleet's own shutdown still stops its children
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the fleet's own shutdown still stops its children
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 class Child:
