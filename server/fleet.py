@@ -142,6 +142,11 @@ def router_command(worker_urls: list[str], host: str, port: int, policy: str, *,
     return argv + list(extra)
 
 
+def redacted(argv: list[str]) -> list[str]:
+    """`argv` with the value of every --api-key replaced (for logs)."""
+    return [("***" if i and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
+
+
 def check_router_installed() -> None:
     """ValueError (one line on the CLI) when smg is missing."""
     if importlib.util.find_spec("smg") is None:
@@ -256,7 +261,7 @@ class Fleet:
                 return False
             logger.info("%s ready (%d/%d) after %.1f s", child.name, i + 1, len(self.replicas),
                         time.monotonic() - t0)
-        logger.info("starting the router: %s", shlex.join(self.plan.router_argv))
+        logger.info("starting the router: %s", shlex.join(redacted(self.plan.router_argv)))
         self.router = Child("router", self.plan.router_argv, self._log_path("router"))
         want = set(self.plan.replica_urls)
         if not wait_until(lambda: healthy_workers(self.plan.router_url, self._headers()) >= want, 120,

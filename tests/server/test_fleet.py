@@ -61,6 +61,7 @@ def test_plan_ports_threads_devices_and_router():
     assert own.cpu_note is None and all(a.count("--cpu-threads") == 1 for a in own.replica_argvs)
     assert own.router_argv[own.router_argv.index("--policy") + 1] == "round_robin"
     assert own.router_argv[own.router_argv.index("--api-key") + 1] == "k"
+    assert "k" not in fleet_mod.redacted(own.router_argv) and "***" in fleet_mod.redacted(own.router_argv)
     assert own.router_argv[-2:] == ["--health-check-interval-secs", "7"]  # after the defaults: it wins
 
 
