@@ -47,6 +47,7 @@ class Child:
         self.sink = sink if sink is not None else sys.stdout
         self.tail: deque[str] = deque(maxlen=20)  # last lines, for an error message
         self.started_at = time.monotonic()
+        self._terminated = False
         log = open(log_path, "a", buffering=1, encoding="utf-8") if log_path else None
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -87,10 +88,16 @@ class Child:
             if log is not None:
                 log.close()
 
+    def terminate(self) -> None:
+        """SIGTERM to the child's process group, once (stop() then waits for it)."""
+        if self.alive() and not self._terminated:
+            self._terminated = True
+            self._signal(signal.SIGTERM)
+
     def stop(self, timeout: float) -> int | None:
         """SIGTERM to the child's process group, SIGKILL after `timeout` s; returns the exit code."""
         if self.alive():
-            self._signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
