@@ -211,8 +211,8 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue lengths, both pools' pages (total / free / used by requests / cached), prefix-cache
-        counters and token totals."""
+        """Queue lengths and their cap, the page size, both pools' pages (total / free / used by requests /
+        cached), prefix-cache counters, token totals and the seconds spent in steps."""
         sched = self.scheduler
         used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
@@ -224,12 +224,15 @@ class Engine:
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "max_running_requests": self.config.scheduler.max_running_requests,
+            "page_size": self.config.cache.page_size,  # tokens per page of both pools
             **pools,
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "busy_seconds_total": self.step_time,
         }
 
     def flush_cache(self) -> bool:

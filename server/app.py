@@ -20,6 +20,8 @@ from swaserve.server.routes_chat import router as chat_router
 from swaserve.server.routes_completions import router as completions_router
 from swaserve.server.routes_misc import router as misc_router
 from swaserve.server.state import ServerConfig, ServerState
+from swaserve.server.worker_api import DrainGate
+from swaserve.server.worker_api import router as worker_router
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
@@ -72,6 +74,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(misc_router)
+    app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
+    app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
     return app

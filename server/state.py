@@ -46,6 +46,7 @@ class ServerState:
         self._special: SpecialText | None = None
         self._thread: threading.Thread | None = None
         self.owns_engine = engine is None
+        self.draining = False  # set once by start_draining(); read by server/worker_api.py's gate
         if engine is not None:
             engine.log_requests = False  # the server writes the one INFO line per request
 
@@ -71,6 +72,14 @@ class ServerState:
             logger.error("model load failed: %s", e)
             if self.on_load_error is not None:
                 self.on_load_error(e)
+
+    def start_draining(self) -> None:
+        """Stop admitting work: from now on /health and every new API request answer 503 (a router sends
+        them elsewhere); requests already admitted run to completion. One-way: the process is expected to
+        exit once they are done."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: /health and new requests answer 503; requests in flight finish")
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         if self._thread is not None:
