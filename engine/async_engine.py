@@ -102,21 +102,19 @@ class AsyncEngine:
                 self.core.abort(self._abort_q.get_nowait())
             except queue.Empty:
                 break
-        changed = False
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
                 break
-            changed = True
             try:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - handed to the caller
+                self._stats = self.core.stats()
                 fut.get_loop().call_soon_threadsafe(fut.set_exception, e)
             else:
+                self._stats = self.core.stats()  # before the caller resumes: it may read stats() at once
                 fut.get_loop().call_soon_threadsafe(fut.set_result, result)
-        if changed:
-            self._stats = self.core.stats()
 
     def _emit(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)

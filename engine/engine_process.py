@@ -12,7 +12,7 @@ server/launch.py's, that loads the model and returns a synchronous `Engine`; thi
                     ("call", call_id, name), ("shutdown",)
   engine -> server: ("ready", info) | ("load_error", message, is_value_error),
                     ("step", outputs, stats), ("rejected", request_id, message, param),
-                    ("failed", request_ids, message), ("result", call_id, value)
+                    ("failed", request_ids, message), ("result", call_id, value, stats)
 
 Each side has a thread that only moves bytes (the server's sender and reader, the engine's receiver),
 so neither the event loop nor a model step ever waits on a full pipe. Requests are validated in the
@@ -130,7 +130,8 @@ class _EngineLoop:
                 self.core.abort(msg[1])
             elif kind == "call":
                 _, call_id, name = msg
-                self.outbox.send(("result", call_id, getattr(self.core, name)()))
+                result = getattr(self.core, name)()
+                self.outbox.send(("result", call_id, result, self.stats()))
         if changed:
             self.outbox.send(("step", [], self.stats()))
         return True
@@ -220,6 +221,7 @@ class EngineClient:
                 for rid in msg[1]:
                     self._deliver(rid, RuntimeError(msg[2]))
             elif kind == "result":
+                self._stats = msg[3]  # before the caller resumes: it may read stats() at once
                 loop, fut = self._calls.pop(msg[1])
                 loop.call_soon_threadsafe(fut.set_result, msg[2])
         self._process.join(5)
