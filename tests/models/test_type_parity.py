@@ -114,6 +114,6 @@ def test_an_f16_copy_of_the_embedding_is_caught(tmp_path) -> None:
     embed = loaded.weights.embed
     f16 = QWeight("F16", embed.shape, dequantize(embed).half(), embed.name)
     med, mx, agree = compare(path, forced_sequence(), embed=f16)
-    print(f"\nparity row | Q4_0 + Q6_K embedding held as an F16 copy (the old loader) | Q4_0, F16 | {med:.1e} "
-          f"| {mx:.1e} | {agree}/{POSITIONS} |")
+    print(f"\nparity row | Q4_0 + Q6_K embedding held as an F16 copy (the old loader) | Q4_0, F16 "
+          f"| {med:.1e} | {mx:.1e} | {agree}/{POSITIONS} |")
     assert med > 1e-4 and mx > 1e-2  # the oracle sees the change; the stored form is exact (above)
