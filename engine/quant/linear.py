@@ -163,15 +163,14 @@ def _triton() -> Any:
 
             _triton_module = module
         except ImportError as e:  # pragma: no cover - depends on the install
-            log.warning("the Triton Q4 kernels are unavailable (%s); using dequantize + matmul on CUDA", e)
+            log.warning("the Triton quantized kernels are unavailable (%s); using dequantize + matmul", e)
     return _triton_module
 
 
 def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     mod = _triton()
-    fn = getattr(mod, f"{w.qtype.lower()}_linear", None) if mod is not None else None
-    if fn is not None:
-        return fn(x, w)
+    if mod is not None and w.qtype in mod.WEIGHT_FORMATS:
+        return mod.quant_linear(x, w)
     wd = w.cache.dequantized  # fallback: one dequantized copy in the compute dtype
     if wd is None or wd.dtype != x.dtype:
         wd = w.cache.dequantized = dequantize(w).to(x.dtype)
