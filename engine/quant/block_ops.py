@@ -1,7 +1,10 @@
 """Bit-level helpers of the GGUF block decoders (engine/quant/blocks_legacy.py, blocks_k.py).
 
 Every decoder works on a 2-D run of stored blocks `uint8 [nb, block_bytes]` and returns fp32
-`[nb, block_elems]`; the fp32 arithmetic is done in `finish`, in gguf's order.
+`[nb, block_elems]`. Integer codes are unpacked with scalar shifts and masks into fresh tensors
+that one `stack` interleaves (no gathers, no shifts by a tensor, no `out=` into strided views:
+each of those is 5-50x slower in torch's CPU kernels); `finish` then converts the codes to fp32 in
+one pass and applies the scales in gguf's order.
 """
 
 from __future__ import annotations
@@ -15,19 +18,27 @@ def half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
-    """uint8 [nb, G * group] -> 4-bit codes [nb, G * 2 * group]: for each run of `group` bytes, their
-    low nibbles, then their high nibbles (the order of every GGUF 4-bit layout)."""
+    """uint8 [nb, G * group] -> 4-bit codes uint8 [nb, G * 2 * group]: for each run of `group` bytes,
+    their low nibbles, then their high nibbles (every GGUF 4-bit layout)."""
     nb = qs.shape[0]
-    q = qs.reshape(nb, -1, 1, group)
-    return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(nb, -1)
+    q = qs.view(nb, -1, group)  # [nb, G, group]: a view of the stored bytes
+    return torch.stack([q & 0x0F, q >> 4], dim=2).view(nb, -1)
 
 
 def bit_fields(x: torch.Tensor, group: int, width: int, count: int) -> torch.Tensor:
-    """uint8 [nb, G * group] -> [nb, G * count * group]: for each run of `group` bytes, the `width`-bit
-    field at bit width * t of each byte, for t = 0 .. count - 1."""
+    """uint8 [nb, G * group] -> uint8 [nb, G * count * group]: for each run of `group` bytes, the
+    `width`-bit field at bit width * t of each byte, for t = 0 .. count - 1."""
     nb = x.shape[0]
-    shifts = torch.arange(0, width * count, width, dtype=torch.uint8, device=x.device).view(1, 1, count, 1)
-    return ((x.reshape(nb, -1, 1, group) >> shifts) & ((1 << width) - 1)).reshape(nb, -1)
+    xv = x.view(nb, -1, group)  # [nb, G, group]
+    mask = (1 << width) - 1
+    return torch.stack([(xv >> (width * t)) & mask for t in range(count)], dim=2).view(nb, -1)
+
+
+def bits_lsb_first(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, n] (a little-endian bit string) -> its 8n bits uint8 [nb, 8n], bit j = bit j % 8
+    of byte j // 8 (the qh of Q5_0 / Q5_1)."""
+    nb = x.shape[0]
+    return torch.stack([(x >> t) & 1 for t in range(8)], dim=2).view(nb, -1)
 
 
 def finish(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, out: torch.Tensor | None,
@@ -45,5 +56,3 @@ def finish(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, ou
         else:
             r.sub_(offset)
     return res.view(nb, -1)
-
-

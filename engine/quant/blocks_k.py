@@ -47,7 +47,7 @@ def decode_q2_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     scales = blocks[:, 0:16]
     dl = _sub_scale(half(blocks, 80), scales & 0x0F)  # [nb, 16, 1]
     ml = _sub_scale(half(blocks, 82), scales >> 4)
-    q = bit_fields(blocks[:, 16:80], 32, 2, 4)  # [nb, 256]
+    q = bit_fields(blocks[:, 16:80], 32, 2, 4)  # [nb, 256] in 0..3
     return finish(q.view(-1, 16, 16), dl, ml, out, sign=-1)
 
 
@@ -55,12 +55,12 @@ def decode_q3_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     packed = blocks[:, 96:108]
     low = bit_fields(packed[:, 0:8], 8, 4, 2)  # [nb, 16]: low 4 bits of sub-block scales
     high = bit_fields(packed[:, 8:12], 4, 2, 4)  # [nb, 16]: their high 2 bits
-    sc = (low | (high << 4)).to(torch.int16) - 32
+    sc = low.bitwise_or_(high.bitwise_left_shift_(4)).to(torch.int16) - 32
     dl = _sub_scale(half(blocks, 108), sc)  # [nb, 16, 1]
-    ql = bit_fields(blocks[:, 32:96], 32, 2, 4).view(torch.int8)  # [nb, 256] in 0..3
-    hbit = bit_fields(blocks[:, 0:32], 32, 1, 8).view(torch.int8)  # [nb, 256]
-    q = ql - ((hbit ^ 1) << 2)  # the high bit *clear* subtracts 4
-    return finish(q.view(-1, 16, 16), dl, None, out)
+    q = bit_fields(blocks[:, 32:96], 32, 2, 4)  # [nb, 256] in 0..3
+    cleared = bit_fields(blocks[:, 0:32], 32, 1, 8).bitwise_xor_(1)  # 1 where the high bit is clear
+    q.sub_(cleared.bitwise_left_shift_(2))  # ... subtracts 4: -4..3 (uint8 wraps; read as int8)
+    return finish(q.view(torch.int8).view(-1, 16, 16), dl, None, out)
 
 
 def decode_q4_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,27 +75,24 @@ def decode_q5_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     sc, mn = k_scale_min(blocks[:, 4:16])
     dl = _sub_scale(half(blocks, 0), sc)
     ml = _sub_scale(half(blocks, 2), mn)
-    q = nibbles(blocks[:, 48:176], 32) | (bit_fields(blocks[:, 16:48], 32, 1, 8) << 4)
+    q = nibbles(blocks[:, 48:176], 32)
+    q.bitwise_or_(bit_fields(blocks[:, 16:48], 32, 1, 8).bitwise_left_shift_(4))  # the 5th bits
     return finish(q.view(-1, 8, 32), dl, ml, out, sign=-1)
 
 
 def decode_q6_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     dl = _sub_scale(half(blocks, 208), blocks[:, 192:208].view(torch.int8))  # [nb, 16, 1]
-    ql = nibbles(blocks[:, 0:128], 64)  # [nb, 256]
-    qh = bit_fields(blocks[:, 128:192], 32, 2, 4)
-    q = (ql | (qh << 4)).view(torch.int8) - 32
-    return finish(q.view(-1, 16, 16), dl, None, out)
+    q = nibbles(blocks[:, 0:128], 64)  # [nb, 256]: low 4 bits
+    q.bitwise_or_(bit_fields(blocks[:, 128:192], 32, 2, 4).bitwise_left_shift_(4)).sub_(32)  # -32..31
+    return finish(q.view(torch.int8).view(-1, 16, 16), dl, None, out)
 
 
 def decode_iq4_xs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     low = bit_fields(blocks[:, 4:8], 1, 4, 2)  # [nb, 8]: sub-block s from byte s // 2, nibble s % 2
-    sh = blocks[:, 2:4].to(torch.int32)
-    high_bits = sh[:, 0:1] | (sh[:, 1:2] << 8)  # the uint16, little-endian
-    shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=blocks.device)
-    high = (high_bits >> shifts) & 3  # [nb, 8]
-    sc = (low.to(torch.int32) | (high << 4)) - 32
+    high = bit_fields(blocks[:, 2:4], 1, 2, 4)  # [nb, 8]: from the uint16 scales_h, bits 2s
+    sc = low.bitwise_or_(high.bitwise_left_shift_(4)).to(torch.int16) - 32
     dl = _sub_scale(half(blocks, 0), sc)  # [nb, 8, 1]
-    q = iq4_levels(nibbles(blocks[:, 8:136], 16))  # [nb, 256]
+    q = iq4_levels(blocks[:, 8:136], 16)  # [nb, 256]
     return finish(q.view(-1, 8, 32), dl, None, out)
 
 
