@@ -192,8 +192,8 @@ def _demo_fingerprint() -> str:
     """Hash of the sources that determine the demo model (a changed generator gives a new file)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for f in ("tiny.py", "tiny_writer.py", "gemma4_layout.py", "demo_tokenizer.py",
-              "demo_chat_template.jinja"):
+    for f in ("tiny.py", "tiny_writer.py", "gemma4_layout.py", "quant_mix.py", "random_blocks.py",
+              "demo_tokenizer.py", "demo_chat_template.jinja"):
         p = here / f
         h.update(p.read_bytes() if p.exists() else b"-")
     return h.hexdigest()[:12]
