@@ -298,6 +298,10 @@ def _gate_up(tensors: dict[str, Any], i: int, cfg: ModelConfig, path: str) -> QW
     name = f"blk.{i}.ffn_gate_up_exps.weight"
     if g.qtype == u.qtype:  # concatenate the stored rows (one copy, at load)
         return QWeight(g.qtype, (e, 2 * ie, h), torch.cat([g.data, u.data], dim=1), name)
+    # one QWeight holds one type: exact fp32 rows (4 bytes per weight; llama.cpp's converter writes the
+    # fused tensor for gemma4, which has a single type, so this is for hand-made split files)
+    log.warning("%s: blk.%d.ffn_gate_exps is %s but ffn_up_exps is %s; holding both as F32 (%.1f GB)",
+                path, i, g.qtype, u.qtype, 2 * e * ie * h * 4 / 1e9)
     from swaserve.engine.quant.dequant import dequantize
 
     return QWeight("F32", (e, 2 * ie, h), torch.cat([dequantize(g), dequantize(u)], dim=1), name)
