@@ -10,7 +10,8 @@ no `output.weight` and more than 8 experts (gemma-4-26B-A4B: 128):
   the mix's base type (Q4_K / Q5_K); every other matrix gets the base type;
 - a row length that is not a multiple of the chosen type's block falls back: Q2_K/Q3_K -> Q4_0,
   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and to F16 when even 32 does not divide
-  it. On gemma-4-26B-A4B this hits `ffn_down` (2112 columns) and `ffn_down_exps` (704 columns).
+  it (the IQ1/IQ2/IQ3 types -> IQ4_NL). On gemma-4-26B-A4B this hits `ffn_down` (2112 columns) and
+  `ffn_down_exps` (704 columns).
 Norms, the router, scales and `rope_freqs` stay F32 (llama.cpp quantizes only 2-D/3-D `.weight`
 tensors other than norms and `ffn_gate_inp`).
 """
@@ -24,12 +25,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 FLOAT_QTYPES = ("F32", "F16", "BF16")
 BLOCK_QTYPES = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
 )
 # llama.cpp mixes beyond "one type everywhere" (Q6_K and Q8_0 files are one type plus the fallbacks)
 MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 QTYPE_CHOICES = (*BLOCK_QTYPES, *MIXES, *FLOAT_QTYPES)
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-            "IQ4_XS": "IQ4_NL"}
+            "IQ4_XS": "IQ4_NL", **{q: "IQ4_NL" for q in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                                                         "IQ1_S", "IQ1_M")}}
 FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
     "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1, "Q5_0": LlamaFileType.MOSTLY_Q5_0,
@@ -38,6 +41,10 @@ FILE_TYPES = {
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_S, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
     "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL, "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
     "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M, "Q5_K_M": LlamaFileType.MOSTLY_Q5_K_M,
+    "IQ2_XXS": LlamaFileType.MOSTLY_IQ2_XXS, "IQ2_XS": LlamaFileType.MOSTLY_IQ2_XS,
+    "IQ2_S": LlamaFileType.MOSTLY_IQ2_S, "IQ3_XXS": LlamaFileType.MOSTLY_IQ3_XXS,
+    "IQ3_S": LlamaFileType.MOSTLY_IQ3_S, "IQ1_S": LlamaFileType.MOSTLY_IQ1_S,
+    "IQ1_M": LlamaFileType.MOSTLY_IQ1_M,
 }
 
 

@@ -14,6 +14,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _IQ4_STD = 69.0
+# std of the lattice-codebook types' weights for d = 1 with random bytes (scales, indices, signs)
+_GRID_UNIT = {"IQ2_XXS": 53.1, "IQ2_XS": 55.8, "IQ2_S": 56.3, "IQ3_XXS": 142.5, "IQ3_S": 140.7, "IQ1_S": 7.22,
+              "IQ1_M": 7.0}
 
 
 def _put_half(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
@@ -90,6 +93,12 @@ def random_blocks(qtype: str, shape: tuple[int, ...], std: float, rng: np.random
         high = ((sc >> 4) & 3).astype(np.uint16) << np.arange(0, 16, 2, dtype=np.uint16)
         b[..., 2:4] = np.bitwise_or.reduce(high, axis=-1)[..., None].view(np.uint8)
         _put_half(b, 0, spread * std / (19.5 * _IQ4_STD))
+    elif qtype == "IQ1_M":  # its fp16 d is the top nibbles of the 4 scale words (bytes 48..55)
+        d = (spread * std / _GRID_UNIT[qtype]).astype(np.float16).view(np.uint16)
+        for t in range(4):
+            b[..., 49 + 2 * t] = (b[..., 49 + 2 * t] & 0x0F) | (((d >> (4 * t)) & 0xF) << 4).astype(np.uint8)
+    elif qtype in _GRID_UNIT:  # random indices, signs and scales; d first
+        _put_half(b, 0, spread * std / _GRID_UNIT[qtype])
     else:
         raise ValueError(f"no random block generator for {qtype}")
     return b.reshape(*lead, nb * nbytes)

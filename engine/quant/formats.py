@@ -4,8 +4,9 @@ matmul, the embedding lookup, the loader's list of kept types).
 A block format turns stored blocks `uint8 [nb, block_bytes]` into fp32 weights `[nb, block_elems]`,
 bit for bit what `gguf.quants.dequantize` returns (same fp32 operations in the same order: scale
 products first, then `scale * q`, then the minimum or offset). Decoders live in
-engine/quant/blocks_legacy.py (32-weight blocks) and engine/quant/blocks_k.py (256-weight
-super-blocks); `dequantize_blocks` is the one entry point, and it is
+engine/quant/blocks_legacy.py (32-weight blocks), engine/quant/blocks_k.py (256-weight super-blocks)
+and engine/quant/blocks_iq.py (the lattice-codebook IQ1/IQ2/IQ3 types); `dequantize_blocks` is the one
+entry point, and it is
 the per-type hook a faster kernel (an integer dot product, a compiled extension) can sit beside:
 anything that needs the exact weights of some stored rows calls it.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swaserve.engine.quant.blocks_iq import IQ_GRID_FORMATS
 from swaserve.engine.quant.blocks_k import K_FORMATS
 from swaserve.engine.quant.blocks_legacy import LEGACY_FORMATS
 
@@ -34,7 +36,7 @@ class BlockFormat:
 
 FORMATS: dict[str, BlockFormat] = {
     name: BlockFormat(name, elems, nbytes, fn)
-    for name, (elems, nbytes, fn) in {**LEGACY_FORMATS, **K_FORMATS}.items()
+    for name, (elems, nbytes, fn) in {**LEGACY_FORMATS, **K_FORMATS, **IQ_GRID_FORMATS}.items()
 }
 
 

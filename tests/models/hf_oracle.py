@@ -189,6 +189,26 @@ def load_weights_into_hf(model: Gemma4ForCausalLM, w: Gemma4Weights) -> None:
     model.tie_weights()
 
 
+def iq1_m_reference(raw: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks uint8 [..., 56 k] -> fp32 weights, following llama.cpp's dequantize_row_iq1_m (gguf-py
+    0.19 gets the offset signs wrong: `qh & 0x08 == 0` parses as `qh & False`)."""
+    from gguf import quants
+
+    quants.IQ1_M.init_grid()
+    grid = quants.IQ1_M.grid.reshape(2048, 8)
+    b = raw.reshape(-1, 56)
+    sc = b[:, 48:56].copy().view(np.uint16).astype(np.uint32)  # [n, 4]
+    d_bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000)
+    d = d_bits.astype(np.uint16).view(np.float16).astype(np.float32)[:, None]  # [n, 1]
+    scales = np.stack([(sc >> (3 * t)) & 7 for t in range(4)], axis=2).reshape(-1, 16)  # per 16 weights
+    dl = d * (2 * scales + 1).astype(np.float32)  # [n, 16]
+    nib = np.stack([b[:, 32:48] & 0xF, b[:, 32:48] >> 4], axis=2).reshape(-1, 32)  # per 8 weights
+    idx = b[:, 0:32].astype(np.int64) | ((nib & 7).astype(np.int64) << 8)
+    delta = np.where(nib & 8, np.float32(-0.125), np.float32(0.125))  # [n, 32]
+    w = dl.reshape(-1, 16, 1, 1) * (grid[idx].reshape(-1, 16, 2, 8) + delta.reshape(-1, 16, 2, 1))
+    return w.reshape(*raw.shape[:-1], raw.shape[-1] // 56 * 256).astype(np.float32)
+
+
 def file_weights_into_hf(model: Gemma4ForCausalLM, path: str) -> None:
     """Overwrite the HF model's parameters with the weights a GGUF file defines, decoded by gguf's own
     numpy code from the file's bytes: an oracle independent of our loader (a loader that changed a
@@ -202,7 +222,10 @@ def file_weights_into_hf(model: Gemma4ForCausalLM, path: str) -> None:
             if t.name == "rope_freqs.weight":
                 continue
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            vals = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+            if t.tensor_type.name == "IQ1_M":
+                vals = iq1_m_reference(np.asarray(t.data)).reshape(shape)
+            else:
+                vals = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
             if t.name == "token_embd.weight":
                 hf_name = "model.embed_tokens.weight"
             elif t.name == "output_norm.weight":

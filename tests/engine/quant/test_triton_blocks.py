@@ -19,7 +19,7 @@ from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.formats import block_format
 from tests.engine.moe.moe_cases import dense_moe, make_cfg, new_seed, rel_err, routing
-from tests.engine.quant.test_formats import TYPES, oracle, random_blocks
+from tests.engine.quant.test_formats import KERNEL_TYPES, oracle, random_blocks
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py must set TRITON_INTERPRET=1"
@@ -59,7 +59,7 @@ def stored(qtype: str, shape: tuple[int, ...], seed: int, sane: bool = False
     return QWeight(qtype, shape, torch.from_numpy(raw).to(DEV), f"test.{qtype}"), ref
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
 @pytest.mark.parametrize("m", [1, 33])
 def test_quant_linear_every_type(qtype: str, m: int) -> None:
     seed = new_seed()
@@ -85,10 +85,10 @@ def test_linear_dispatches_every_type_to_the_kernels(monkeypatch: pytest.MonkeyP
 
     calls = []
     monkeypatch.setattr(tq, "quant_linear", lambda x, w: calls.append(w.qtype) or x.new_zeros(1, w.shape[0]))
-    for qtype in TYPES:
+    for qtype in KERNEL_TYPES:
         w, _ = stored(qtype, (8, block_format(qtype).block_elems), 0)
         lin._cuda_linear(torch.zeros(1, w.shape[1]), w)
-    assert calls == TYPES
+    assert calls == KERNEL_TYPES
     assert linear  # the module under test imports cleanly beside the kernels
 
 
