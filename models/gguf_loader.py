@@ -4,10 +4,11 @@
 architecture from it and hands the same GGUFFile to that architecture's loader (`load_gemma4`).
 Every matrix (attention, dense MLP, experts, the token embedding that is also the tied lm_head) stays
 in its stored form as a view of the mapped file (QWeight): F32/F16/BF16 and every block type with a
-decoder in engine/quant/formats.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS). Nothing
-is converted at load, so the model computes with exactly the weights the file defines. Norms,
-router, scales and scalars are small exact fp32 copies (any type gguf can decode). A matrix of
-another type, and every other problem, is a GGUFError: one line naming the key or tensor and the file.
+decoder in engine/quant/formats.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and the
+IQ1/IQ2/IQ3 codebook types). Nothing is converted at load, so the model computes with exactly the
+weights the file defines. Norms, router, scales and scalars are small exact fp32 copies (any type gguf
+can decode). A matrix of another type, and every other problem, is a GGUFError: one line naming the
+key or tensor and the file.
 """
 
 from __future__ import annotations

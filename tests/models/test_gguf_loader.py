@@ -295,18 +295,18 @@ def test_small_preset_resident_memory(tmp_path, qtype: str, embed_qtype: str | N
 
 
 def test_serve_refuses_an_unsupported_type_with_one_line(tmp_path, cfg, tensors, tok_meta) -> None:
-    """`swaserve serve --model` on a file with an IQ2_XXS matrix (what 2-bit "dynamic" files hold):
+    """`swaserve serve --model` on a file with a TQ2_0 matrix (a ternary type no gemma-4 mix uses):
     exit status 2 and one line naming the tensor and its type, no traceback."""
     t = dict(tensors)
     shape = tensors["blk.5.attn_output.weight"].shape  # (64, 256): whole 256-weight blocks
     raw = np.random.default_rng(0).integers(0, 256, size=(shape[0], 66), dtype=np.uint8)  # 66 B per block
-    t["blk.5.attn_output.weight"] = RawTensor("IQ2_XXS", raw, shape)
-    path = _write(tmp_path / "iq2.gguf", cfg, t, tok_meta)
+    t["blk.5.attn_output.weight"] = RawTensor("TQ2_0", raw, shape)
+    path = _write(tmp_path / "tq2.gguf", cfg, t, tok_meta)
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", "--model", path, "--port", "0"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("swaserve serve: error:") and path in last
-    assert "tensor blk.5.attn_output.weight has unsupported type IQ2_XXS" in last
+    assert "tensor blk.5.attn_output.weight has unsupported type TQ2_0" in last
     assert "Traceback" not in p.stderr
