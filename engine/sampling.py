@@ -74,21 +74,33 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
-    """In place: logits [B, V] rows `rows` keep only the tokens whose bit is set in bitmask [R, W] int32
-    (bit t % 32 of word t // 32; tokens past 32 * W are disallowed). Other rows are not touched."""
-    V = logits.shape[1]
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 [R, W] (bit t % 32 of word t // 32 = token t allowed) -> bool [R, vocab] on `device`
+    (tokens past 32 * W are disallowed). On CPU numpy unpacks the bits; elsewhere bit operations run on
+    the device after one small copy (4 bytes per 32 tokens)."""
     R, W = bitmask.shape
-    if logits.device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=min(V, 32 * W),
-                             bitorder="little")  # [R, min(V, 32W)] uint8
+    n = min(vocab, 32 * W)
+    if torch.device(device).type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")  # [R, n]
         allowed = torch.from_numpy(bits).view(torch.bool)
     else:
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        words = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(R, 32 * W)[:, :V].bool()  # [R, min(V, 32W)]
-    if allowed.shape[1] < V:
-        allowed = torch.cat([allowed, allowed.new_zeros(R, V - allowed.shape[1])], dim=1)
+        allowed = unpack_bitmask_torch(bitmask.to(device, non_blocking=True), n)
+    if n < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(R, vocab - n)], dim=1)
+    return allowed
+
+
+def unpack_bitmask_torch(bitmask: torch.Tensor, n: int) -> torch.Tensor:
+    """The device path of unpack_bitmask: int32 [R, W] -> bool [R, n], n <= 32 * W."""
+    R, W = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(R, 32 * W)[:, :n].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """In place: rows `rows` of logits [B, V] keep only the tokens bitmask [len(rows), W] allows;
+    the other rows are not touched."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1], logits.device)  # [R, V]
     idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed, _NEG_INF)
 

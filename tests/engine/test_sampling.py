@@ -18,6 +18,8 @@ from swaserve.engine.sampling import (
     sample,
     top_k_mask,
     top_p_mask,
+    unpack_bitmask,
+    unpack_bitmask_torch,
 )
 
 NEG = float("-inf")
@@ -236,3 +238,13 @@ def test_banned_ids_are_never_sampled():
             SampleRow(SamplingParams(temperature=1.0), make_generator(1), banned_ids=list(range(1, 50)))]
     res = sample(logits, rows)
     assert res.token_ids[0] != top and res.token_ids[1] == 0
+
+
+def test_bitmask_unpacking_paths_agree():
+    """The CPU (numpy) and device (torch bit operations, run here on CPU tensors) paths agree."""
+    rng = random.Random(9)
+    allowed = [[rng.random() < 0.5 for _ in range(300)] for _ in range(3)]
+    bitmask = _bitmask(allowed)
+    cpu = unpack_bitmask(bitmask, 300)
+    assert cpu.tolist() == allowed
+    assert unpack_bitmask_torch(bitmask, 300).tolist() == allowed
