@@ -154,7 +154,7 @@ def _measure(backend: GrammarBackend, spec: GrammarSpec, seqs: list[list[int]], 
     return _time(step_plain, reps) / steps, _time(step_constrained, reps) / steps
 
 
-def run(steps: int, reps: int) -> list[tuple[str, int, str, float, float, int]]:
+def run(steps: int, reps: int, report: Any = None) -> list[tuple[str, int, str, float, float, int]]:
     vocab = BenchVocab()
     backend = GrammarBackend(vocab, [1, 6])
     from swaserve.server.tool_grammar import tool_calls_lark
@@ -176,6 +176,8 @@ def run(steps: int, reps: int) -> list[tuple[str, int, str, float, float, int]]:
             plain, masked = _measure(backend, spec, seqs, params, batch, constrained, steps, reps)
             label = f"{constrained} of {batch}" if batch > 1 else "1"
             rows_out.append((name, batch, label, plain * 1e6, masked * 1e6, constrained))
+            if report is not None:
+                report(rows_out[-1])
     return rows_out
 
 
@@ -186,14 +188,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"vocabulary {VOCAB}, {args.steps} steps, best of {args.reps}, torch threads {args.threads}")
+    print(f"vocabulary {VOCAB}, {args.steps} steps, best of {args.reps}, torch threads {args.threads}",
+          flush=True)
     print("| grammar | batch | constrained rows | plain step µs | constrained step µs | overhead µs "
           "| overhead / plain | overhead per constrained row µs |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, batch, label, plain, masked, n in run(args.steps, args.reps):
+
+    def report(row: tuple[str, int, str, float, float, int]) -> None:
+        name, batch, label, plain, masked, n = row
         over = masked - plain
         print(f"| {name} | {batch} | {label} | {plain:,.0f} | {masked:,.0f} | {over:,.0f} "
-              f"| {over / plain:.1%} | {over / n:,.0f} |")
+              f"| {over / plain:.1%} | {over / n:,.0f} |", flush=True)
+
+    run(args.steps, args.reps, report)
 
 
 if __name__ == "__main__":
