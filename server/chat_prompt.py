@@ -88,6 +88,14 @@ class ToolPlan:
     def parse(self) -> bool:
         return self.choice != "none"
 
+    def forced_names(self) -> list[str]:
+        """The functions a grammar forces the reply to call (tool_choice required / named)."""
+        if self.choice == "named":
+            return [self.name] if self.name else []
+        if self.choice == "required":
+            return [t["function"]["name"] for t in self.declared]
+        return []
+
 
 def tool_plan(tools_in: list[Tool] | None, choice_in: Any, functions: list[FunctionDef] | None = None,
               function_call: Any = None) -> ToolPlan:

@@ -109,8 +109,12 @@ class MarkedText:
 class ChatOutputParser:
     """Feed marked text deltas, get ParsedDelta back; finish() flushes what was held."""
 
-    def __init__(self, parse_tools: bool, keep_special: bool = False, max_calls: int | None = None):
+    def __init__(self, parse_tools: bool, keep_special: bool = False, max_calls: int | None = None,
+                 forced_names: list[str] | None = None):
         self.parse_tools = parse_tools
+        # tool_choice required / named: the functions a call must be to; a call cut off inside its
+        # `call:NAME{` header is still reported when the text so far names exactly one of them
+        self.forced_names = forced_names or []
         self.keep_special = keep_special  # skip_special_tokens=false: other control tokens stay as text
         self.max_calls = max_calls  # parallel_tool_calls=false: 1 (later calls are dropped)
         self.marks = MarkedText()
@@ -208,6 +212,15 @@ class ChatOutputParser:
 
     def _end_call(self, out: ParsedDelta, closed: bool) -> None:
         self.state = "content"
+        if self.args is None and not closed and not self.dropped:
+            head = self.header.strip()
+            names = [n for n in self.forced_names if f"call:{n}{{".startswith(head) or head == f"call:{n}"]
+            if len(names) == 1:
+                logger.warning("tool call %d to %s cut off in its header; arguments closed as {}", self.calls,
+                               names[0])
+                out.tool_calls.append(ToolCallDelta(self.calls, new_call_id(), names[0], "{}"))
+                self.calls += 1
+                return
         if self.args is None:
             logger.warning("a tool-call block is not a call (%r...); returned as text", self.raw[:80])
             out.content += self.raw

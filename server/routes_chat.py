@@ -87,7 +87,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
                           skip_special_tokens=False, mark_special_tokens=True, grammar=cp.grammar)
 
     def new_choice() -> ChatChoice:
-        return ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls))
+        return ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,
+                                           cp.plan.forced_names()))
 
     choices = {i: new_choice() for i in range(req.n)}
     gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts)

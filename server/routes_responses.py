@@ -78,7 +78,8 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     params = build_params(req, req.max_output_tokens, None, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), rename, skip_special_tokens=False,
                           mark_special_tokens=True, grammar=cp.grammar)
-    choice = ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls))
+    choice = ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,
+                                         cp.plan.forced_names()))
     gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts)
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choice, tracker, rename)

@@ -8,9 +8,10 @@ temperature 1, top_k 64, top_p 0.95) over random fp32 logits [B, 262144]:
   * all: every row constrained (a JSON schema, or Gemma tool calls), including the matcher update
     (`GrammarState.sync`), the mask fill (`GrammarBackend.fill`) and its application in `sample`;
   * 1 of 32: one row constrained, 31 free.
-Matchers are driven along valid token sequences (so every step is a real mask). Times are the best of
---reps runs, measured side by side in one process; the table gives microseconds per step and the
-overhead over plain, per constrained row too.
+Matchers are driven along valid token sequences (so every step is a real mask). Every step times the
+plain sampler and the constrained one back to back (same logits); per step the best of --reps runs is
+kept and the table gives medians over the steps: the sampler step, the grammar's fill (matcher update
++ bitmask) and its apply (constrained step - plain step), and their sum as a share of the step.
 
 The vocabulary: the demo tokenizer's 3,072 tokens (Gemma 4's control tokens at Gemma's ids, the 256
 byte tokens) plus 259,072 synthetic pieces (words in several scripts, with and without a leading
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from typing import Any
 
@@ -134,27 +136,37 @@ def _time(fn: Any, reps: int) -> float:
 
 
 def _measure(backend: GrammarBackend, spec: GrammarSpec, seqs: list[list[int]], params: SamplingParams,
-             batch: int, constrained: int, steps: int, reps: int) -> tuple[float, float]:
-    """(plain, constrained) seconds per sampler step."""
-    logits = torch.randn(batch, backend.vocab_size, generator=torch.Generator().manual_seed(0))
+             batch: int, constrained: int, steps: int, reps: int) -> tuple[float, float, float]:
+    """(plain step, grammar fill, mask apply) in seconds: medians over steps of the best of `reps`.
 
-    def step_constrained() -> None:
+    Each step runs the plain sampler and the constrained one back to back on the same logits, so the
+    machine's load drifts alike for both; fill = matcher update + bitmask fill, apply = constrained
+    sampler step - plain sampler step."""
+    logits = torch.randn(batch, backend.vocab_size, generator=torch.Generator().manual_seed(0))
+    plain = [float("inf")] * steps
+    fill = [float("inf")] * steps
+    apply = [float("inf")] * steps
+    for _ in range(reps):
         states = [backend.new_state(spec) for _ in range(constrained)]
         rows = [SampleRow(params, make_generator(r)) for r in range(batch)]
+        grammar_rows = list(range(constrained))
         for t in range(steps):
+            t0 = time.perf_counter()
+            sample(logits, rows)
+            t1 = time.perf_counter()
             for j, st in enumerate(states):
                 st.sync(seqs[j][:t])
-            sample(logits, rows, list(range(constrained)), backend.fill(states))
+            mask = backend.fill(states)
+            t2 = time.perf_counter()
+            sample(logits, rows, grammar_rows, mask)
+            t3 = time.perf_counter()
+            plain[t] = min(plain[t], t1 - t0)
+            fill[t] = min(fill[t], t2 - t1)
+            apply[t] = min(apply[t], (t3 - t2) - (t1 - t0))
+    return statistics.median(plain), statistics.median(fill), statistics.median(apply)
 
-    def step_plain() -> None:
-        rows = [SampleRow(params, make_generator(r)) for r in range(batch)]
-        for _ in range(steps):
-            sample(logits, rows)
 
-    return _time(step_plain, reps) / steps, _time(step_constrained, reps) / steps
-
-
-def run(steps: int, reps: int, report: Any = None) -> list[tuple[str, int, str, float, float, int]]:
+def run(steps: int, reps: int, report: Any = None) -> list[tuple[str, int, str, float, float, float, int]]:
     vocab = BenchVocab()
     backend = GrammarBackend(vocab, [1, 6])
     from swaserve.server.tool_grammar import tool_calls_lark
@@ -173,9 +185,9 @@ def run(steps: int, reps: int, report: Any = None) -> list[tuple[str, int, str, 
             if len(ids) >= steps:
                 seqs.append(ids[:steps])
         for batch, constrained in ((1, 1), (32, 32), (32, 1)):
-            plain, masked = _measure(backend, spec, seqs, params, batch, constrained, steps, reps)
+            plain, fill, apply = _measure(backend, spec, seqs, params, batch, constrained, steps, reps)
             label = f"{constrained} of {batch}" if batch > 1 else "1"
-            rows_out.append((name, batch, label, plain * 1e6, masked * 1e6, constrained))
+            rows_out.append((name, batch, label, plain * 1e6, fill * 1e6, apply * 1e6, constrained))
             if report is not None:
                 report(rows_out[-1])
     return rows_out
@@ -190,14 +202,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"vocabulary {VOCAB}, {args.steps} steps, best of {args.reps}, torch threads {args.threads}",
           flush=True)
-    print("| grammar | batch | constrained rows | plain step µs | constrained step µs | overhead µs "
-          "| overhead / plain | overhead per constrained row µs |")
+    print("| grammar | batch | constrained rows | sampler step µs | fill µs | apply µs | overhead / step "
+          "| overhead per constrained row µs |")
     print("|---|---|---|---|---|---|---|---|")
 
-    def report(row: tuple[str, int, str, float, float, int]) -> None:
-        name, batch, label, plain, masked, n = row
-        over = masked - plain
-        print(f"| {name} | {batch} | {label} | {plain:,.0f} | {masked:,.0f} | {over:,.0f} "
+    def report(row: tuple[str, int, str, float, float, float, int]) -> None:
+        name, batch, label, plain, fill, apply, n = row
+        over = fill + apply
+        print(f"| {name} | {batch} | {label} | {plain:,.0f} | {fill:,.0f} | {apply:,.0f} "
               f"| {over / plain:.1%} | {over / n:,.0f} |", flush=True)
 
     run(args.steps, args.reps, report)

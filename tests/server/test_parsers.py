@@ -209,6 +209,15 @@ def test_chat_parser_cut_off_and_malformed_calls():
     assert bad.content == "hi <|tool_call>not a call<tool_call|> there" and not bad.tool_calls
 
 
+def test_chat_parser_forced_call_cut_off_in_its_header():
+    cut = marked("<|tool_call>call:get_ti")
+    out = _run(ChatOutputParser(parse_tools=True, forced_names=["get_weather", "get_time"]), [cut])
+    assert _calls(out) == [("get_time", {})]
+    ambiguous = _run(ChatOutputParser(parse_tools=True, forced_names=["get_weather", "get_time"]),
+                     [marked("<|tool_call>call:get")])
+    assert not ambiguous.tool_calls and ambiguous.content == "<|tool_call>call:get"
+
+
 def test_chat_parser_max_calls_drops_later_calls():
     text = marked("<|tool_call>call:a{x:1}<tool_call|><|tool_call>call:b{y:2}<tool_call|>")
     assert [n for n, _ in _calls(_run(ChatOutputParser(parse_tools=True, max_calls=1), [text]))] == ["a"]
