@@ -83,6 +83,7 @@ class ToolPlan:
     choice: str = "none"  # none | auto | required | named
     name: str | None = None  # the named function
     declared: list[dict[str, Any]] = field(default_factory=list)  # every declared function
+    strict: bool = False  # some function is declared `strict: true`
 
     @property
     def parse(self) -> bool:
@@ -125,7 +126,8 @@ def tool_plan(tools_in: list[Tool] | None, choice_in: Any, functions: list[Funct
         return ToolPlan(declared, "named", choice_in.function.name, declared)
     if choice_in == "none":  # the model is not told about the tools at all
         return ToolPlan(None, "none", None, declared)
-    return ToolPlan(declared, choice_in or "auto", None, declared)
+    strict = any(t.function.strict for t in tools_in)
+    return ToolPlan(declared, choice_in or "auto", None, declared, strict)
 
 
 def template_kwargs(chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool | None,

@@ -5,6 +5,8 @@
     declared tools, each call's arguments following that tool's parameters; a named tool_choice -> one
     call to that function; both in Gemma 4's call syntax (server/tool_grammar.py);
   * `tool_choice: "auto"` with a response_format -> either calls or the JSON reply;
+  * `tool_choice: "auto"` with a tool declared `strict: true` -> text, then optionally calls whose
+    arguments follow the declared parameters (what OpenAI's strict function calling promises);
   * with thinking on, a thought channel may come first.
 The grammar ends the reply: EOS is allowed only once it is complete.
 """
@@ -54,6 +56,11 @@ def grammar_for(plan: ToolPlan, fmt: JsonFormat | None, parallel: bool | None,
             tools = [t for t in plan.declared if t["function"]["name"] == plan.name]
             return GrammarSpec("lark", tool_calls_lark(tools, parallel=False, thinking=thinking)), 1
         if fmt is None:
+            if plan.choice == "auto" and plan.strict:
+                # strict function tools: text, or calls whose arguments follow the declared parameters
+                lark = tool_calls_lark(plan.declared, parallel=not one_call, thinking=thinking,
+                                       free_text=True)
+                return GrammarSpec("lark", lark), max_calls
             return None, max_calls
         if plan.choice == "auto":
             lark = tool_calls_lark(plan.declared, parallel=not one_call, thinking=thinking,

@@ -182,10 +182,12 @@ def gemma_value(v: Any) -> str:
 
 
 def tool_calls_lark(tools: Sequence[dict[str, Any]], parallel: bool, thinking: bool,
-                    json_schema: dict[str, Any] | None = None, calls_optional: bool = False) -> str:
+                    json_schema: dict[str, Any] | None = None, calls_optional: bool = False,
+                    free_text: bool = False) -> str:
     """A grammar whose sentences are Gemma tool calls to `tools` (OpenAI function dicts: name,
     parameters): one call, or one or more when `parallel`. `thinking`: an optional thought channel may
-    come first. `calls_optional` with `json_schema`: the reply is either the calls or JSON."""
+    come first. `calls_optional` with `json_schema`: the reply is either the calls or JSON. `free_text`:
+    text (no control tokens) and then optionally the calls (tool_choice auto with strict tools)."""
     g = GemmaSchemaGrammar({})
     alts = []
     for t in tools:
@@ -197,8 +199,12 @@ def tool_calls_lark(tools: Sequence[dict[str, Any]], parallel: bool, thinking: b
     body = "call+" if parallel else "call"
     if json_schema is not None and calls_optional:
         body = f"({body} | {json_lark(json_schema)})"
+    elif free_text:
+        body = f"FREE? {'call*' if parallel else 'call?'}"
     start = f"start: thought? {body}" if thinking else f"start: {body}"
     parts = [start, "call: " + " | ".join(alts), *g.rules]
+    if free_text:
+        parts.append("FREE: /(?s:.+)/")
     if thinking:
         parts.append(THOUGHT_RULE)
     return "\n".join(parts) + _COMMON

@@ -109,3 +109,34 @@ def test_responses_400(server: LiveServer, extra, param):
         r = h.post("/v1/responses", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_reasoning_text_and_calls_stream_and_not():
+    """Reasoning, text and two calls in one reply (scripted engine): items in order, same both ways."""
+    from swaserve.server.app import ServerConfig, build_app
+    from tests.server.fake_engine import FakeEngine
+
+    eng = FakeEngine()
+    eng.reply = ('<|channel>thought\nThe user wants the time.<channel|>Checking.'
+                 '<|tool_call>call:get_time{label:<|"|>a<|"|>,zone:<|"|>UTC<|"|>}<tool_call|>'
+                 '<|tool_call>call:get_time{label:<|"|>b<|"|>,zone:<|"|>CET<|"|>}<tool_call|><|tool_response>')
+    s = LiveServer(build_app(eng, ServerConfig(served_model_name=SERVED)))
+    try:
+        c = s.client()
+        kw = dict(model=SERVED, input="time?", tools=TOOLS, max_output_tokens=200)
+        whole = c.responses.create(**kw)
+        assert [o.type for o in whole.output] == ["reasoning", "message", "function_call", "function_call"]
+        assert whole.output[0].content[0].text == "The user wants the time."
+        assert whole.output_text == "Checking."
+        assert [json.loads(o.arguments)["zone"] for o in whole.output[2:]] == ["UTC", "CET"]
+        assert whole.usage.output_tokens_details.reasoning_tokens > 0
+        with c.responses.stream(**kw) as stream:
+            kinds = [ev.type for ev in stream]
+            final = stream.get_final_response()
+        assert [o.type for o in final.output] == [o.type for o in whole.output]
+        assert final.output_text == whole.output_text
+        calls = [(o.name, o.arguments) for o in whole.output[2:]]
+        assert [(o.name, o.arguments) for o in final.output[2:]] == calls
+        assert "response.reasoning_text.delta" in kinds and kinds.count("response.output_item.done") == 4
+    finally:
+        s.stop()

@@ -153,3 +153,18 @@ def test_history_arguments_must_be_a_json_object(server: LiveServer):
         assert r.status_code == 400 and "messages[1]" in r.json()["error"]["message"]
         call["function"]["arguments"] = '{"zone": "UTC"}'
         assert h.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_auto_with_strict_tools_constrains_the_calls(client: openai.OpenAI, engine):
+    """tool_choice auto + strict tools (the Agents SDK's default): free text, and any call is valid."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    call_token = str(engine.tokenizer.piece_to_id("<|tool_call>"))
+    for seed in range(3):  # the bias makes the random model open a call; the grammar makes it valid
+        r = client.chat.completions.create(model=SERVED, messages=USER, tools=strict, max_tokens=200,
+                                           temperature=1.0, seed=seed, logit_bias={call_token: 15},
+                                           parallel_tool_calls=False)  # one call, then the grammar ends
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _check_calls(choice.message.tool_calls)
+    plain = client.chat.completions.create(model=SERVED, messages=USER, tools=strict, max_tokens=12, seed=1)
+    assert plain.choices[0].finish_reason in ("stop", "length", "tool_calls")
