@@ -74,20 +74,26 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """int32 [R, W] (bit t % 32 of word t // 32 = token t allowed) -> bool [R, vocab] on `device`
-    (tokens past 32 * W are disallowed). On CPU numpy unpacks the bits; elsewhere bit operations run on
-    the device after one small copy (4 bytes per 32 tokens)."""
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str = "cpu",
+                   invert: bool = False) -> torch.Tensor:
+    """int32 [R, W] (bit t % 32 of word t // 32 = token t allowed) -> bool [R, vocab] on `device`, True
+    where allowed (tokens past 32 * W are not), or with `invert` True where disallowed. On CPU numpy
+    unpacks the bits; elsewhere bit operations run on the device after one small copy (4 bytes per 32
+    tokens)."""
     R, W = bitmask.shape
     n = min(vocab, 32 * W)
     if torch.device(device).type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")  # [R, n]
-        allowed = torch.from_numpy(bits).view(torch.bool)
+        words = bitmask.numpy()
+        if invert:
+            words = ~words
+        bits = np.unpackbits(words.view(np.uint8), axis=1, count=n, bitorder="little")  # [R, n] uint8
+        out = torch.from_numpy(bits).view(torch.bool)
     else:
-        allowed = unpack_bitmask_torch(bitmask.to(device, non_blocking=True), n)
+        words = bitmask.to(device, non_blocking=True)
+        out = unpack_bitmask_torch(~words if invert else words, n)
     if n < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(R, vocab - n)], dim=1)
-    return allowed
+        out = torch.cat([out, out.new_full((R, vocab - n), invert)], dim=1)
+    return out
 
 
 def unpack_bitmask_torch(bitmask: torch.Tensor, n: int) -> torch.Tensor:
@@ -99,10 +105,13 @@ def unpack_bitmask_torch(bitmask: torch.Tensor, n: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
     """In place: rows `rows` of logits [B, V] keep only the tokens bitmask [len(rows), W] allows;
-    the other rows are not touched."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1], logits.device)  # [R, V]
-    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed, _NEG_INF)
+    the other rows are not touched (nothing is copied: one masked_fill_ per constrained row)."""
+    banned = unpack_bitmask(bitmask, logits.shape[1], logits.device, invert=True)  # [R, V]
+    if list(rows) == list(range(logits.shape[0])):
+        logits.masked_fill_(banned, _NEG_INF)
+        return
+    for j, r in enumerate(rows):
+        logits[r].masked_fill_(banned[j], _NEG_INF)
 
 
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

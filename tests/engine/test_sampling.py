@@ -217,6 +217,9 @@ def test_bitmask_touches_only_constrained_rows(V):
         bitmask = bitmask[:, :2]
     x = logits.clone()
     apply_token_bitmask(x, rows, bitmask)
+    every = logits[rows].clone()  # every row constrained: one masked_fill_ over the batch
+    apply_token_bitmask(every, [0, 1], bitmask)
+    assert torch.equal(every, x[rows])
     for b in range(5):
         for t in range(V):
             if b in rows:
@@ -247,4 +250,7 @@ def test_bitmask_unpacking_paths_agree():
     bitmask = _bitmask(allowed)
     cpu = unpack_bitmask(bitmask, 300)
     assert cpu.tolist() == allowed
+    assert unpack_bitmask(bitmask, 310, invert=True).tolist() == [[not a for a in row] + [True] * 10
+                                                                  for row in allowed]
     assert unpack_bitmask_torch(bitmask, 300).tolist() == allowed
+    assert unpack_bitmask_torch(~bitmask, 300).tolist() == [[not a for a in row] for row in allowed]
