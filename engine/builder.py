@@ -4,7 +4,8 @@ model runner, tokenizer and chat template (`EngineParts`).
 KV pool sizes (plan_kv_pools):
   * explicit token counts (CacheConfig.full_tokens / swa_tokens, `--max-total-tokens`), or
   * a memory budget (`--kv-cache-memory-gb`) split so that swa_tokens = ratio * full_tokens, or
-  * the default: on CPU full = min(context, 65536) tokens, SWA = ratio * full; on CUDA 85% of the
+  * the default: on CPU full = min(context, 65536) tokens, SWA = ratio * full; on CUDA
+    `--kv-memory-fraction` (85%) of the
     device memory left after the weights, split like a budget.
 The SWA pool must hold max_running_requests windows (plus a page and a decode page each) and one
 prefill chunk; default sizing grows it to that, explicit sizing that is too small is an error.
@@ -72,7 +73,7 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
             budget = cache.kv_cache_memory_gb * 2**30
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = 0.85 * free
+            budget = cache.kv_memory_fraction * free
         else:
             budget = None
         if budget is None:

@@ -92,6 +92,11 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = option(
         None, "--kv-cache-memory-gb", min=0, min_exclusive=True,
         help="memory for both KV pools (default: a fraction of free device memory)")
+    # share of the device memory left after the weights that the KV pools take (CUDA, no explicit size)
+    kv_memory_fraction: float = option(
+        0.85, "--kv-memory-fraction", min=0, max=1, min_exclusive=True,
+        help="on CUDA without an explicit pool size: the share of the device memory left after the weights "
+             "that the KV pools take (default 0.85; alias --gpu-memory-utilization)")
     # Pool sizes in tokens; None = derive from kv_cache_memory_gb and swa_full_tokens_ratio. The flag
     # sets full_tokens, and engine/args.py sizes swa_tokens from it by swa_full_tokens_ratio.
     full_tokens: int | None = option(

@@ -67,7 +67,7 @@ def _engine_main(factory: EngineFactory, cfg: EngineConfig, inbox: Connection, o
     core.log_requests = False  # the server writes the one line per request
     outbox.send(("ready", {"model_name": core.model_name, "context_length": core.context_length,
                            "model_config": core.model_config, "tokenizer_metadata": core.tokenizer_metadata,
-                           "stats": core.stats()}))
+                           "generation_defaults": dict(core.generation_defaults), "stats": core.stats()}))
     messages: queue.SimpleQueue = queue.SimpleQueue()
     wake = threading.Event()
 
@@ -161,6 +161,7 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_metadata(meta)
         template = meta.get("tokenizer.chat_template")
         self.chat_template = ChatTemplate(template, self.tokenizer) if template else None
+        self.generation_defaults: dict[str, float] = ready["generation_defaults"]  # general.sampling.*
         self.log_requests = False  # the engine process never logs per request; the server does
         self._stats: dict[str, Any] = ready["stats"]
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
