@@ -1,4 +1,5 @@
-"""`swaserve serve | generate | make-model | bench` (console script `swaserve = swaserve.cli:main`)."""
+"""`swaserve serve | fleet | generate | make-model | bench` (console script `swaserve =
+swaserve.cli:main`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     from swaserve.server.launch import add_serve_args
 
     add_serve_args(serve)
+
+    fleet = sub.add_parser("fleet", allow_abbrev=False,
+                           help="N serve replicas behind a prefix-affine router (smg; docs/scale-out.md)")
+    add_engine_args(fleet)
+    add_serve_args(fleet)
+    from swaserve.server.fleet import add_fleet_args
+
+    add_fleet_args(fleet)
 
     gen = sub.add_parser("generate", help="generate a completion offline")
     add_engine_args(gen)
@@ -39,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -49,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             from swaserve.server.launch import run_serve
 
             return run_serve(args)
+        if args.command == "fleet":
+            from swaserve.server.fleet import run_fleet
+
+            return run_fleet(args, raw[raw.index("fleet") + 1:])
         if args.command == "generate":
             from swaserve.llm import run_generate
 

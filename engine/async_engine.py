@@ -31,6 +31,7 @@ class AsyncEngine:
         self.model_name = core.model_name
         self.model_config = core.model_config
         self.context_length = core.context_length
+        self.generation_defaults = dict(core.generation_defaults)  # the GGUF's general.sampling.* values
         self._submit_q: queue.SimpleQueue[list[Req]] = queue.SimpleQueue()
         self._abort_q: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
@@ -102,21 +103,19 @@ class AsyncEngine:
                 self.core.abort(self._abort_q.get_nowait())
             except queue.Empty:
                 break
-        changed = False
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
                 break
-            changed = True
             try:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - handed to the caller
+                self._stats = self.core.stats()
                 fut.get_loop().call_soon_threadsafe(fut.set_exception, e)
             else:
+                self._stats = self.core.stats()  # before the caller resumes: it may read stats() at once
                 fut.get_loop().call_soon_threadsafe(fut.set_result, result)
-        if changed:
-            self._stats = self.core.stats()
 
     def _emit(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)
@@ -140,7 +139,10 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        anchors: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs of every choice; RequestError / EngineOverloaded before any output."""
-        reqs = self.core.make_requests(request_id, prompt_ids, params, anchors)
+        if params.grammar is not None:  # compiling a grammar takes milliseconds: not on the event loop
+            reqs = await asyncio.to_thread(self.core.make_requests, request_id, prompt_ids, params, anchors)
+        else:
+            reqs = self.core.make_requests(request_id, prompt_ids, params, anchors)
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.core.config.scheduler.max_queued_requests

@@ -7,7 +7,7 @@ KV memory (plan_kv_pools): one arena of blocks that both page kinds are carved f
     at once, or
   * a memory budget (`--kv-cache-memory-gb`), or
   * the default: on CPU room for min(context, 65536) full tokens and a quarter as many SWA tokens; on
-    CUDA 85% of the device memory left after the weights.
+    CUDA `--kv-memory-fraction` (85%) of the device memory left after the weights.
 `--swa-full-tokens-ratio R`, when given, caps the SWA pages at what a fixed split with that ratio would
 have given them. The arena must hold max_running_requests windows (plus a page and a decode page
 each) and one prefill chunk, and the full pages of a chunk; default sizing grows it to that, explicit
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
             budget: float | None = cache.kv_cache_memory_gb * 2**30
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = 0.85 * free
+            budget = cache.kv_memory_fraction * free
         else:
             budget = None
         if budget is None:
@@ -129,6 +130,7 @@ class EngineParts:
     device: torch.device
     context_length: int  # the model's (or --context-length), capped by the KV arena
     tokenizer: Tokenizer
+    tokenizer_metadata: dict[str, Any]  # the GGUF's tokenizer.* keys (a server process rebuilds from them)
     chat_template: ChatTemplate | None  # None when the GGUF has no tokenizer.chat_template
     eos_ids: frozenset[int]
     pool: ArenaKVPool
@@ -179,6 +181,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         device=device,
         context_length=context,
         tokenizer=tokenizer,
+        tokenizer_metadata={k: v for k, v in bundle.metadata.items() if k.startswith("tokenizer.")},
         chat_template=chat_template,
         eos_ids=frozenset(tokenizer.eos_ids) | frozenset(model_cfg.eos_token_ids),
         pool=pool,

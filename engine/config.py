@@ -93,6 +93,11 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = option(
         None, "--kv-cache-memory-gb", min=0, min_exclusive=True,
         help="memory for the KV arena both page kinds share (default: a fraction of free device memory)")
+    # share of the device memory left after the weights that the KV arena takes (CUDA, no explicit size)
+    kv_memory_fraction: float = option(
+        0.85, "--kv-memory-fraction", min=0, max=1, min_exclusive=True,
+        help="on CUDA without an explicit pool size: the share of the device memory left after the weights "
+             "that the KV arena takes (default 0.85; alias --gpu-memory-utilization)")
     # Arena size in tokens of each kind held at once; None = from kv_cache_memory_gb (or the default).
     # The flag sets full_tokens, and engine/args.py sizes swa_tokens from it (swa_full_tokens_ratio, or
     # a quarter).

@@ -23,6 +23,21 @@ class RequestError(ValueError):
         self.param = param
 
 
+GrammarKind = Literal["json_schema", "lark", "regex"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint as plain, picklable data; the engine compiles it (engine/grammar.py).
+
+    kind "json_schema": `source` is a JSON schema as JSON text; "lark": an llguidance Lark grammar
+    (special tokens written `<|"|>`, JSON sub-grammars as `%json {...}`); "regex": a regular expression.
+    """
+
+    kind: GrammarKind
+    source: str
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None = up to the context length
@@ -41,6 +56,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
     skip_special_tokens: bool = True
+    # with skip_special_tokens=False: special tokens decode to MARK_OPEN + text + MARK_CLOSE
+    # (engine/tokenizer.py), so that a reader tells them from the same text written out
+    mark_special_tokens: bool = False
+    min_tokens: int = 0  # stop ids (EOS, stop_token_ids) are banned until this many tokens were generated
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
+    grammar: GrammarSpec | None = None  # constrain the output (structured output, forced tool calls)
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field for out-of-range values."""
@@ -69,6 +90,13 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise RequestError(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
+        if self.min_tokens < 0:
+            raise RequestError("min_tokens must be >= 0", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError("min_tokens must not exceed max_tokens", "min_tokens")
+        if self.grammar is not None and self.ignore_eos:
+            raise RequestError("ignore_eos cannot be combined with a grammar (structured output or a "
+                               "required tool call ends with EOS)", "ignore_eos")
 
 
 class ReqStatus(enum.Enum):
@@ -137,6 +165,9 @@ class Req:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     generator: object | None = None  # filled by the model runner (torch.Generator)
+    # grammar matcher state (engine/grammar.py GrammarState), made by the model runner at the first
+    # sample; it follows output_ids (so preemption and re-prefill leave it valid); dropped at finish
+    grammar: object | None = None
     # timings (time.monotonic), filled by the engine
     arrival_time: float = 0.0
     first_token_time: float | None = None

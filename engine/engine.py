@@ -17,11 +17,32 @@ from typing import Any
 from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.grammar import GrammarBackend
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text_stream import TextStream
 
 log = logging.getLogger("swaserve.engine")
+
+# GGUF generation metadata (written by llama.cpp's converters from the HF generation_config.json)
+# -> SamplingParams field names
+SAMPLING_METADATA = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def generation_defaults(metadata: Any) -> dict[str, float]:
+    """The sampling defaults a GGUF declares (`general.sampling.*`), as SamplingParams fields."""
+    out: dict[str, float] = {}
+    for key, name in SAMPLING_METADATA.items():
+        v = metadata.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[name] = int(v) if name == "top_k" else float(v)
+    return out
 
 
 class Engine:
@@ -40,6 +61,7 @@ class Engine:
         self.device = parts.device
         self.context_length = parts.context_length
         self.tokenizer = parts.tokenizer
+        self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool
@@ -49,6 +71,9 @@ class Engine:
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.grammar = GrammarBackend(self.tokenizer, self.eos_ids)  # compiles lazily, on first use
+        self.runner.grammar = self.grammar
+        self.generation_defaults = generation_defaults(bundle.metadata)
         self.debug_checks = cfg.debug_checks  # cache integrity after every step (tests, debugging)
         self.log_requests = True  # one INFO line per finished request; the server logs its own instead
         mc = self.model_config
@@ -70,6 +95,8 @@ class Engine:
                       anchors: Sequence[int] = ()) -> list[Req]:
         """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input."""
         params.validate(self.tokenizer.vocab_size)
+        if params.grammar is not None:
+            self.grammar.check(params.grammar)  # compiles (ms; cached by spec); RequestError if invalid
         if any(not 0 <= int(t) < self.model_config.vocab_size for t in prompt_ids):
             raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
         seed = (self.config.seed * 1_000_003 + next(self._seed_counter)) & 0x7FFF_FFFF_FFFF_FFFF
@@ -95,7 +122,9 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
         self._open[rid] = reqs
         for r in reqs:
-            self._texts[r] = TextStream(self.tokenizer, r.params.stop, r.params.skip_special_tokens)
+            p = r.params
+            self._texts[r] = TextStream(self.tokenizer, p.stop, p.skip_special_tokens, p.mark_special_tokens,
+                                        p.include_stop_str_in_output)
             self.scheduler.add(r)
 
     def abort(self, request_id: str) -> None:
@@ -145,6 +174,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("releasing %s failed", r.rid)
             self._texts.pop(r, None)
+            r.grammar = None
         ids = list({r.request_id: None for r in reqs})
         for rid in ids:
             self._open.pop(rid, None)
@@ -183,6 +213,7 @@ class Engine:
 
     def _finish_output(self, req: Req, new_ids: list[int], lps: list[TokenLogprob], text: str = "",
                        flush: bool = True) -> list[RequestOutput]:
+        req.grammar = None  # the matcher is freed with the request (finished, stopped or aborted)
         text_stream = self._texts.pop(req, None)
         if text_stream is None:
             return []
@@ -211,9 +242,10 @@ class Engine:
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue lengths; per page kind the pages its arena blocks hold now (total = free + used by
-        requests + cached), what can be allocated now and the most the arena could hold of it; the
-        arena's blocks; prefix-cache counters and token totals."""
+        """Queue lengths and their cap, the page size; per page kind the pages its arena blocks hold now
+        (total = free + used by requests + cached), what can be allocated now and the most the arena could
+        hold of it; the arena's blocks; prefix-cache counters, token totals and the seconds spent in
+        steps."""
         sched = self.scheduler
         used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
@@ -226,6 +258,8 @@ class Engine:
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "max_running_requests": self.config.scheduler.max_running_requests,
+            "page_size": self.config.cache.page_size,  # tokens per page of both pools
             **pools,
             "arena": self.arena.stats(),
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
@@ -233,6 +267,7 @@ class Engine:
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "busy_seconds_total": self.step_time,
         }
 
     def flush_cache(self) -> bool:

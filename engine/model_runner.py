@@ -6,7 +6,8 @@ import torch
 
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
-from swaserve.engine.core import Batch, TokenLogprob
+from swaserve.engine.core import Batch, Req, TokenLogprob
+from swaserve.engine.grammar import GrammarBackend, GrammarState
 from swaserve.engine.model_api import CausalLM
 from swaserve.engine.sampling import SampleRow, make_generator, sample
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.page_size = page_size
         self.window = window
         self.device = device
+        self.grammar: GrammarBackend | None = None  # set by the engine (needs the tokenizer)
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         meta = build_metadata(batch, self.page_size, self.window, self.device)
@@ -68,17 +70,37 @@ class ModelRunner:
         rows_idx = torch.tensor([cu[b + 1] - 1 for b in sel], dtype=torch.int64, device=hidden.device)
         logits = self.model.logits(hidden[rows_idx])  # [S, V] fp32
         rows = []
-        for b in sel:
+        grammar_rows: list[int] = []
+        states: list[GrammarState] = []
+        for j, b in enumerate(sel):
             r = batch.reqs[b]
             p = r.params
             if p.temperature > 0 and r.generator is None:
                 r.generator = make_generator(r.seed)
+            state = self._grammar_state(r)
+            if state is not None:
+                grammar_rows.append(j)
+                states.append(state)
+            banned: list[int] = []
+            if p.min_tokens and r.output_len < p.min_tokens and not (state is not None and state.done):
+                banned = sorted(r.stop_ids)  # a finished grammar allows only EOS: it wins over min_tokens
             penal = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             rows.append(SampleRow(p, r.generator if p.temperature > 0 else None,  # type: ignore[arg-type]
                                   r.token_ids[:r.prompt_len] if p.repetition_penalty != 1.0 else (),
-                                  r.output_ids if penal else ()))
-        res = sample(logits, rows)
+                                  r.output_ids if penal else (), banned))
+        bitmask = self.grammar.fill(states) if states and self.grammar is not None else None
+        res = sample(logits, rows, grammar_rows, bitmask)
         for j, b in enumerate(sel):
             tokens[b] = res.token_ids[j]
             logprobs[b] = res.logprobs[j]
         return tokens, logprobs
+
+    def _grammar_state(self, r: Req) -> GrammarState | None:
+        """The Req's matcher, made at its first sample and brought up to date with its output ids."""
+        if r.params.grammar is None or self.grammar is None:
+            return None
+        if r.grammar is None:
+            r.grammar = self.grammar.new_state(r.params.grammar)
+        state: GrammarState = r.grammar  # type: ignore[assignment]
+        state.sync(r.output_ids)
+        return state

@@ -1,6 +1,8 @@
 """Batched sampling: penalties, logit_bias, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Order of operations for one row (SGLang / vLLM semantics):
+  0. the grammar mask (structured output: tokens the row's grammar does not allow get -inf; only the
+     constrained rows are touched) and, while fewer than min_tokens were generated, the stop ids;
   1. repetition penalty over prompt + output tokens (logit > 0: divided, else multiplied),
      frequency penalty (x count in the output) and presence penalty (output tokens), logit_bias;
   2. temperature 0 -> argmax of the penalised logits (first index on ties);
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from swaserve.engine.core import SamplingParams, TokenLogprob
@@ -31,6 +34,7 @@ class SampleRow:
     generator: torch.Generator | None  # required unless params.temperature == 0
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
     output_ids: Sequence[int] = ()  # for all three penalties
+    banned_ids: Sequence[int] = ()  # token ids that must not be sampled now (min_tokens: the stop ids)
 
 
 @dataclass
@@ -68,6 +72,46 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
             val = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
             logits[i].index_add_(0, idx, val)
     return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str = "cpu",
+                   invert: bool = False) -> torch.Tensor:
+    """int32 [R, W] (bit t % 32 of word t // 32 = token t allowed) -> bool [R, vocab] on `device`, True
+    where allowed (tokens past 32 * W are not), or with `invert` True where disallowed. On CPU numpy
+    unpacks the bits; elsewhere bit operations run on the device after one small copy (4 bytes per 32
+    tokens)."""
+    R, W = bitmask.shape
+    n = min(vocab, 32 * W)
+    if torch.device(device).type == "cpu":
+        words = bitmask.numpy()
+        if invert:
+            words = ~words
+        bits = np.unpackbits(words.view(np.uint8), axis=1, count=n, bitorder="little")  # [R, n] uint8
+        out = torch.from_numpy(bits).view(torch.bool)
+    else:
+        words = bitmask.to(device, non_blocking=True)
+        out = unpack_bitmask_torch(~words if invert else words, n)
+    if n < vocab:
+        out = torch.cat([out, out.new_full((R, vocab - n), invert)], dim=1)
+    return out
+
+
+def unpack_bitmask_torch(bitmask: torch.Tensor, n: int) -> torch.Tensor:
+    """The device path of unpack_bitmask: int32 [R, W] -> bool [R, n], n <= 32 * W."""
+    R, W = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(R, 32 * W)[:, :n].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """In place: rows `rows` of logits [B, V] keep only the tokens bitmask [len(rows), W] allows;
+    the other rows are not touched (nothing is copied: one masked_fill_ per constrained row)."""
+    banned = unpack_bitmask(bitmask, logits.shape[1], logits.device, invert=True)  # [R, V]
+    if list(rows) == list(range(logits.shape[0])):
+        logits.masked_fill_(banned, _NEG_INF)
+        return
+    for j, r in enumerate(rows):
+        logits[r].masked_fill_(banned[j], _NEG_INF)
 
 
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -114,8 +158,10 @@ def _draw(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.where(bad, probs.argmax(dim=-1), idx)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
-    """Sample one token per row of logits [B, V] (fp32, not modified)."""
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequence[int] = (),
+           bitmask: torch.Tensor | None = None) -> SampleResult:
+    """Sample one token per row of logits [B, V] (fp32, not modified). Rows `grammar_rows` are
+    constrained by bitmask [len(grammar_rows), ceil(V / 32)] (engine/grammar.py)."""
     B, V = logits.shape
     assert B == len(rows)
     dev = logits.device
@@ -125,6 +171,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         raw_logp = torch.log_softmax(logits[torch.tensor(want_lp, device=dev)], dim=-1)  # [L, V]
 
     x = logits.clone()
+    if bitmask is not None and grammar_rows:
+        apply_token_bitmask(x, grammar_rows, bitmask)
+    for i, r in enumerate(rows):
+        if r.banned_ids:
+            x[i, torch.tensor(list(r.banned_ids), dtype=torch.long, device=dev)] = _NEG_INF
     if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
            or r.params.presence_penalty != 0.0 or r.params.logit_bias for r in rows):
         apply_penalties(x, rows)

@@ -12,9 +12,12 @@ class TextStream:
     could still be the start of a stop string is held back; a matched stop string and everything
     after it are cut."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], skip_special_tokens: bool):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], skip_special_tokens: bool,
+                 mark_special_tokens: bool = False, include_stop: bool = False):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens,
+                                            mark_special_tokens=mark_special_tokens)
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop  # the matched stop string stays at the end of the text
         self.held = ""
 
     def _process(self, new: str, final: bool) -> tuple[str, str | None]:
@@ -27,7 +30,8 @@ class TextStream:
                     best = (i, s)
             if best is not None:
                 self.held = ""
-                return buf[:best[0]], best[1]
+                end = best[0] + (len(best[1]) if self.include_stop else 0)
+                return buf[:end], best[1]
         if final or not self.stop:
             self.held = ""
             return buf, None

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "MARK_OPEN", "MARK_CLOSE"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,10 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPLIT_REGEX = r"[^\n]+|[\n]+"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _K = "tokenizer.ggml."
+# Marked decoding (IncrementalDetokenizer(mark_special_tokens=True)): a special token decodes to
+# MARK_OPEN + its text + MARK_CLOSE and a MARK_OPEN character written as text to MARK_OPEN + MARK_CLOSE,
+# so a reader tells the token `<eos>` from the text "<eos>" (private-use characters).
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
 
 
 def _byte_value(piece: str) -> int | None:
@@ -221,17 +225,25 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams text token by token; bytes of an unfinished UTF-8 character are held back."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 mark_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.mark = mark_special_tokens and not skip_special_tokens
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """New text after `token_id` ('' while a multi-byte character is incomplete)."""
         b = self.tokenizer.token_bytes(token_id)
-        if self.skip_special_tokens and token_id in self.tokenizer.special_ids:
-            return ""
-        return self._dec.decode(b)
+        if token_id in self.tokenizer.special_ids:
+            if self.skip_special_tokens:
+                return ""
+            if self.mark:  # a dangling partial character before it becomes U+FFFD
+                pending = self._dec.decode(b"", final=True)
+                self._dec.reset()
+                return pending + MARK_OPEN + b.decode("utf-8", errors="replace") + MARK_CLOSE
+        text = self._dec.decode(b)
+        return text.replace(MARK_OPEN, MARK_OPEN + MARK_CLOSE) if self.mark and MARK_OPEN in text else text
 
     def push_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.push(t) for t in token_ids)

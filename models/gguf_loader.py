@@ -2,10 +2,13 @@
 
 `open_gguf` maps and parses a file once (metadata and tensor index); models/registry.py reads the
 architecture from it and hands the same GGUFFile to that architecture's loader (`load_gemma4`).
-F32/F16/BF16/Q4_0/Q8_0 tensors stay in their stored form as views of the mapped file (QWeight);
-any other type `gguf` can dequantize is dequantized once at load (matrices to F16, vectors to F32).
-Norms, router, scales and scalars are small fp32 copies. Every problem is a GGUFError: one line
-naming the key or tensor and the file.
+Every matrix (attention, dense MLP, experts, the token embedding that is also the tied lm_head) stays
+in its stored form as a view of the mapped file (QWeight): F32/F16/BF16 and every block type with a
+decoder in engine/quant/formats.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and the
+IQ1/IQ2/IQ3 codebook types). Nothing is converted at load, so the model computes with exactly the
+weights the file defines. Norms, router, scales and scalars are small exact fp32 copies (any type gguf
+can decode). A matrix of another type, and every other problem, is a GGUFError: one line naming the
+key or tensor and the file.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from gguf import GGUFReader, GGUFValueType, quants
 from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.dequant import supported
+from swaserve.engine.quant.formats import FORMATS
 from swaserve.models.gemma4_layout import ARCH, tensor_shapes
 from swaserve.models.weights import Gemma4Weights, LayerWeights
 
 log = logging.getLogger(__name__)
 
-KEPT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q8_0")
 _NOT_DEQUANTIZABLE = {"F64", "I8", "I16", "I32", "I64", "Q8_1", "Q8_K", "Q1_0"}
 
 
@@ -267,13 +271,13 @@ def _torch_view(arr: np.ndarray) -> torch.Tensor:
 def _qweight(t: Any, want: tuple[int, ...], path: str) -> QWeight:
     _check_shape(t, want, path)
     qt = t.tensor_type.name
-    if qt in KEPT_TYPES:
-        data = _torch_view(t.data)
-        if qt == "BF16":
-            data = data.view(torch.bfloat16).reshape(want)
-        return QWeight(qt, want, data, t.name, mmapped=True)  # a view of the read-only file mapping
-    arr = _as_numpy_f32(t, path)
-    return QWeight("F16", want, torch.from_numpy(arr.astype(np.float16)), t.name)
+    if not supported(qt):
+        raise GGUFError(f"{path}: tensor {t.name} has unsupported type {qt} (matrices may be F32, F16, BF16, "
+                        f"{', '.join(FORMATS)})")
+    data = _torch_view(t.data)  # block types: uint8 [..., N, row bytes]; float types: [..., N, K]
+    if qt == "BF16":
+        data = data.view(torch.bfloat16).reshape(want)
+    return QWeight(qt, want, data, t.name, mmapped=True)  # a view of the read-only file mapping
 
 
 def _vector(t: Any, want: tuple[int, ...], path: str) -> torch.Tensor:
@@ -295,6 +299,10 @@ def _gate_up(tensors: dict[str, Any], i: int, cfg: ModelConfig, path: str) -> QW
     name = f"blk.{i}.ffn_gate_up_exps.weight"
     if g.qtype == u.qtype:  # concatenate the stored rows (one copy, at load)
         return QWeight(g.qtype, (e, 2 * ie, h), torch.cat([g.data, u.data], dim=1), name)
+    # one QWeight holds one type: exact fp32 rows (4 bytes per weight; llama.cpp's converter writes the
+    # fused tensor for gemma4, which has a single type, so this is for hand-made split files)
+    log.warning("%s: blk.%d.ffn_gate_exps is %s but ffn_up_exps is %s; holding both as F32 (%.1f GB)",
+                path, i, g.qtype, u.qtype, 2 * e * ie * h * 4 / 1e9)
     from swaserve.engine.quant.dequant import dequantize
 
     return QWeight("F32", (e, 2 * ie, h), torch.cat([dequantize(g), dequantize(u)], dim=1), name)

@@ -17,7 +17,9 @@ import numpy as np
 
 from swaserve.engine.config import ModelConfig
 from swaserve.models.gemma4_layout import tensor_shapes
-from swaserve.models.tiny_writer import WRITE_QTYPES, RawTensor, write_gguf
+from swaserve.models.quant_mix import BLOCK_QTYPES, FLOAT_QTYPES, MIXES, tensor_types
+from swaserve.models.random_blocks import random_blocks
+from swaserve.models.tiny_writer import QUANTIZABLE, WRITE_QTYPES, RawTensor, write_gguf
 
 __all__ = [
     "PRESETS", "RawTensor", "add_make_model_args", "demo_model_path", "make_model", "preset_config",
@@ -103,32 +105,28 @@ def _random_fp32(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.ra
     return rng.standard_normal(size=shape, dtype=np.float32) * np.float32(b)
 
 
-def _random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_0 blocks directly (uniform codes, so value std ~ 4.6 d): fast for the 26b preset."""
-    nb = shape[-1] // 32
-    blocks = rng.integers(0, 256, size=(*shape[:-1], nb, 18), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.5, size=(*shape[:-1], nb)) * (std / 4.6)).astype(np.float16)
-    blocks[..., 0:2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
-    return blocks.reshape(*shape[:-1], nb * 18)
-
-
 class LazyTensors(Mapping[str, "np.ndarray | RawTensor"]):
     """Random tensors generated on access (the writer streams them to disk one at a time).
-    With raw_q4_0=True, Q4_0 matrices are generated as random blocks (no fp32 pass)."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, raw_q4_0: bool = False):
-        self.cfg, self.seed, self.raw_q4_0 = cfg, seed, raw_q4_0
+    `types` (GGUF name -> stored type, models/quant_mix.tensor_types) says which tensors are block
+    matrices; those are generated directly as random blocks (models/random_blocks.py: no fp32 pass,
+    fast for the 26b preset) when `raw` is set or when gguf has no quantizer for their type; all
+    others are fp32 arrays (quantized by the writer)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, types: Mapping[str, str] | None = None,
+                 raw: bool = False):
+        self.cfg, self.seed, self.raw = cfg, seed, raw
         self.shapes = tensor_shapes(cfg)
+        self.types = dict(types or {})
         self._index = {n: i for i, n in enumerate(self.shapes)}
 
     def __getitem__(self, name: str) -> np.ndarray | RawTensor:
         shape = self.shapes[name]
         rng = _rng(self.seed, self._index[name])
-        from swaserve.models.tiny_writer import tensor_qtype
-
-        if self.raw_q4_0 and tensor_qtype(name, shape, "Q4_0") == "Q4_0":
+        qtype = self.types.get(name, "F32")
+        if qtype not in ("F32", "F16", "BF16") and (self.raw or qtype not in QUANTIZABLE):
             _, _, std = _init(name, shape, self.cfg)
-            return RawTensor("Q4_0", _random_q4_0(shape, std, rng), shape)
+            return RawTensor(qtype, random_blocks(qtype, shape, std, rng), shape)
         return _random_fp32(name, shape, self.cfg, rng)
 
     def __iter__(self) -> Iterator[str]:
@@ -160,21 +158,25 @@ def fit_vocab(meta: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     return meta
 
 
-def make_model(preset: str, out: str, seed: int = 0, progress: bool = True, qtype: str = "Q4_0") -> str:
-    """Write a random model of `preset` to `out` (streamed; atomically renamed into place)."""
+def make_model(preset: str, out: str, seed: int = 0, progress: bool = True, qtype: str = "Q4_0",
+               embed_qtype: str | None = None) -> str:
+    """Write a random model of `preset` to `out` (streamed; atomically renamed into place) with its
+    matrices in `qtype` (a type or a llama.cpp mix) and the token embedding in `embed_qtype` if given."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
     meta = _tokenizer_meta()
     n_tokens = len(meta["tokenizer.ggml.tokens"])
     cfg = preset_config(preset, vocab_size=PRESETS[preset]["vocab_size"] or n_tokens)
     meta = fit_vocab(meta, cfg.vocab_size)
-    tensors = LazyTensors(cfg, seed, raw_q4_0=(preset == "26b-a4b" and qtype == "Q4_0"))
+    types = tensor_types(tensor_shapes(cfg), qtype, embed_qtype)
+    tensors = LazyTensors(cfg, seed, types, raw=(preset == "26b-a4b"))
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     os.close(fd)
     try:
-        write_gguf(tmp, cfg, tensors, meta, qtype=qtype, progress=progress, name=f"swaserve-random-{preset}")
+        write_gguf(tmp, cfg, tensors, meta, qtype=qtype, progress=progress, name=f"swaserve-random-{preset}",
+                   embed_qtype=embed_qtype)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
@@ -190,8 +192,8 @@ def _demo_fingerprint() -> str:
     """Hash of the sources that determine the demo model (a changed generator gives a new file)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for f in ("tiny.py", "tiny_writer.py", "gemma4_layout.py", "demo_tokenizer.py",
-              "demo_chat_template.jinja"):
+    for f in ("tiny.py", "tiny_writer.py", "gemma4_layout.py", "quant_mix.py", "random_blocks.py",
+              "demo_tokenizer.py", "demo_chat_template.jinja"):
         p = here / f
         h.update(p.read_bytes() if p.exists() else b"-")
     return h.hexdigest()[:12]
@@ -212,13 +214,20 @@ def add_make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: tiny)")
     p.add_argument("--out", required=True, help="output GGUF file")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--qtype", choices=list(WRITE_QTYPES), default="Q4_0",
-                   help="type of the large matrices (default: Q4_0); norms/router/scalars are F32")
+    p.add_argument("--qtype", choices=list(WRITE_QTYPES), default="Q4_0", metavar="QTYPE",
+                   help=f"stored type of the large matrices (default: Q4_0): one of "
+                        f"{', '.join(BLOCK_QTYPES + FLOAT_QTYPES)}, or a llama.cpp mix: {', '.join(MIXES)}; "
+                        "norms/router/scalars are F32; rows that are not whole blocks fall back as "
+                        "llama-quantize does")
+    p.add_argument("--embed-qtype", choices=list(BLOCK_QTYPES + FLOAT_QTYPES), default=None,
+                   metavar="QTYPE", help="stored type of the token embedding / tied lm_head (default: as "
+                   "--qtype; llama-quantize writes Q6_K here for Q4_0, Q4_K_M, Q5_K_M and Q6_K files)")
 
 
 def run_make_model(args: argparse.Namespace) -> int:
     """`swaserve make-model`: writes the file and prints its path and size."""
     qtype = getattr(args, "qtype", "Q4_0")
-    path = make_model(args.preset, args.out, seed=args.seed, progress=True, qtype=qtype)
+    path = make_model(args.preset, args.out, seed=args.seed, progress=True, qtype=qtype,
+                      embed_qtype=getattr(args, "embed_qtype", None))
     print(f"{path} ({Path(path).stat().st_size / 1e6:.1f} MB, preset {args.preset})")
     return 0

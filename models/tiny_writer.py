@@ -9,21 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from swaserve.engine.config import ModelConfig
 from swaserve.models.gemma4_layout import ARCH
+from swaserve.models.quant_mix import QTYPE_CHOICES, file_type, fit, is_matrix, tensor_types
 
 log = logging.getLogger(__name__)
 
-WRITE_QTYPES = ("Q4_0", "Q8_0", "F32", "F16", "BF16")
-_FILE_TYPE = {
-    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
-    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "F16": LlamaFileType.MOSTLY_F16,
-    "BF16": LlamaFileType.MOSTLY_BF16,
-    "F32": LlamaFileType.ALL_F32,
-}
+WRITE_QTYPES = QTYPE_CHOICES  # --qtype: one stored type everywhere, or a llama.cpp mix (models/quant_mix.py)
+# block types gguf-py can quantize float weights to; the others are written as random blocks
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # tokenizer keys whose GGUF type llama.cpp checks (others are inferred from the Python value)
 _TOKENIZER_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     "tokenizer.ggml.tokens": (GGUFValueType.ARRAY, GGUFValueType.STRING),
@@ -45,12 +41,9 @@ class RawTensor:
 
 
 def tensor_qtype(name: str, shape: tuple[int, ...], qtype: str) -> str:
-    """Stored type of tensor `name`: `qtype` for large matrices, F32 for norms/router/scalars."""
-    if len(shape) < 2 or not name.endswith(".weight") or ".ffn_gate_inp." in name or name.startswith("rope_"):
-        return "F32"
-    if qtype in ("Q4_0", "Q8_0") and shape[-1] % 32 != 0:
-        return "F16"
-    return qtype
+    """Stored type of tensor `name` in a one-type file: `qtype` for large matrices (llama.cpp's
+    fallback where a row is not whole blocks), F32 for norms/router/scalars."""
+    return fit(qtype, shape[-1]) if is_matrix(name, shape) else "F32"
 
 
 def stored_nbytes(shape: tuple[int, ...], qtype: str) -> int:
@@ -65,6 +58,9 @@ def encode(arr: np.ndarray, qtype: str) -> np.ndarray:
         return arr
     if qtype == "F16":
         return arr.astype(np.float16)
+    if qtype not in QUANTIZABLE and qtype != "BF16":
+        raise ValueError(f"cannot quantize float weights to {qtype} (gguf has no quantizer for it); "
+                         "write random blocks instead (models/random_blocks.py)")
     return quants.quantize(arr, GGMLQuantizationType[qtype])
 
 
@@ -97,7 +93,7 @@ def add_model_metadata(w: GGUFWriter, cfg: ModelConfig, qtype: str, name: str) -
     """The `gemma4.*` keys llama.cpp's gemma4 loader reads."""
     kv_heads = [cfg.num_kv_heads_swa if t == "sliding" else cfg.num_kv_heads_full for t in cfg.layer_types]
     w.add_name(name)
-    w.add_file_type(int(_FILE_TYPE[qtype]))
+    w.add_file_type(file_type(qtype))
     w.add_quantization_version(2)
     w.add_context_length(cfg.context_length)
     w.add_embedding_length(cfg.hidden_size)
@@ -133,22 +129,24 @@ def write_gguf(
     qtype: str = "Q4_0",
     progress: bool = False,
     name: str = "swaserve-random-gemma4",
+    embed_qtype: str | None = None,
 ) -> None:
-    """Write a Gemma 4 GGUF: large matrices in `qtype`, norms/router/scalars F32, plus the model
-    metadata and `tokenizer_meta` (tokenizer.* keys). Tensors are fetched from `tensors` one at a
-    time while writing (a lazy Mapping with a `shapes` attribute is never fully materialised)."""
-    if qtype not in WRITE_QTYPES:
-        raise ValueError(f"--qtype {qtype!r}: expected one of {', '.join(WRITE_QTYPES)}")
+    """Write a Gemma 4 GGUF: large matrices in `qtype` (one type, or a llama.cpp mix: see
+    models/quant_mix.py; `embed_qtype` overrides the token embedding's), norms/router/scalars F32,
+    plus the model metadata and `tokenizer_meta` (tokenizer.* keys); a RawTensor keeps its own type.
+    Tensors are fetched from `tensors` one at a time while writing (a lazy Mapping with a `shapes`
+    attribute is never fully materialised)."""
     shapes: Mapping[str, tuple[int, ...]] | None = getattr(tensors, "shapes", None)
-    plan: list[tuple[str, tuple[int, ...], str]] = []
-    for tname in tensors:
-        if shapes is not None:
-            shape, tq = tuple(shapes[tname]), None
-        else:
+    raw_types: dict[str, str] = {}
+    if shapes is None:
+        shapes = {}
+        for tname in tensors:
             val = tensors[tname]
-            shape = tuple(val.shape)
-            tq = val.qtype if isinstance(val, RawTensor) else None
-        plan.append((tname, shape, tq or tensor_qtype(tname, shape, qtype)))
+            shapes[tname] = tuple(val.shape)
+            if isinstance(val, RawTensor):
+                raw_types[tname] = val.qtype
+    types = tensor_types(shapes, qtype, embed_qtype) | raw_types
+    plan = [(tname, tuple(shapes[tname]), types[tname]) for tname in tensors]
 
     w = GGUFWriter(path, ARCH)
     add_model_metadata(w, cfg, qtype, name)

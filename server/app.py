@@ -19,7 +19,10 @@ from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.routes_chat import router as chat_router
 from swaserve.server.routes_completions import router as completions_router
 from swaserve.server.routes_misc import router as misc_router
+from swaserve.server.routes_responses import router as responses_router
 from swaserve.server.state import ServerConfig, ServerState
+from swaserve.server.worker_api import DrainGate
+from swaserve.server.worker_api import router as worker_router
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
@@ -72,6 +75,14 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(misc_router)
+    app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
+    app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
+    app.include_router(responses_router)
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+    if cfg.allowed_origins:  # outermost: preflight requests carry no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in cfg.allowed_origins)
     return app

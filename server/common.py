@@ -1,4 +1,4 @@
-"""Helpers shared by the completion routes: sampling params, usage, logprobs, per-request log + metrics,
+"""Helpers shared by the completion routes: usage, logprobs, per-request log + metrics,
 JSON / SSE responses."""
 
 from __future__ import annotations
@@ -13,60 +13,14 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from swaserve.engine.core import RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.server.errors import APIError, bad_request, from_exception, sse_error
-from swaserve.server.protocol import _SamplingFields
+from swaserve.engine.core import RequestError, RequestOutput, TokenLogprob
+from swaserve.server.errors import APIError, from_exception, sse_error
 from swaserve.server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
 
 if TYPE_CHECKING:
     from swaserve.server.state import ServerState
 
 logger = logging.getLogger("swaserve.server")
-
-
-def build_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                 skip_special_tokens: bool, vocab_size: int,
-                 rename: dict[str, str] | None = None) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; 400 naming the field (SamplingParams name -> `rename`d)."""
-    stop: tuple[str, ...] = ()
-    if isinstance(req.stop, str):
-        stop = (req.stop,) if req.stop else ()
-    elif req.stop:
-        stop = tuple(s for s in req.stop if s)
-    bias: list[tuple[int, float]] = []
-    for k, v in (req.logit_bias or {}).items():
-        try:
-            tid = int(k)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
-        if not -100.0 <= v <= 100.0:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
-        bias.append((tid, float(v)))
-    top_k = -1 if req.top_k in (None, 0) else req.top_k
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        logit_bias=tuple(bias),
-        n=req.n,
-        skip_special_tokens=skip_special_tokens,
-    )
-    try:
-        params.validate(vocab_size)
-    except RequestError as e:
-        param = (rename or {}).get(e.param or "", e.param)
-        raise APIError(400, str(e), param, "invalid_value") from None
-    return params
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -96,13 +50,17 @@ class TokenText:
             self.cache[tid] = s
         return s
 
+    def bytes(self, tid: int) -> list[int]:
+        """The token's own bytes (a byte-fallback token is one byte, not U+FFFD's three)."""
+        return list(self.tok.token_bytes(tid))
+
 
 def chat_logprobs(lps: list[TokenLogprob], text: TokenText, k: int) -> list[dict[str, Any]]:
     out = []
     for lp in lps:
         t = text(lp.token_id)
-        out.append({"token": t, "logprob": _lp(lp.logprob), "bytes": list(t.encode()),
-                    "top_logprobs": [{"token": text(i), "logprob": _lp(v), "bytes": list(text(i).encode())}
+        out.append({"token": t, "logprob": _lp(lp.logprob), "bytes": text.bytes(lp.token_id),
+                    "top_logprobs": [{"token": text(i), "logprob": _lp(v), "bytes": text.bytes(i)}
                                      for i, v in lp.top[:k]]})
     return out
 
@@ -192,6 +150,7 @@ class RouteCtx(ABC):
     """Accumulates one completion request's outputs; answers as JSON or as an SSE stream."""
 
     chunk_object = "?"
+    param_rename: dict[str, str] = {}  # engine RequestError param -> the request's field name
 
     def __init__(self, state: ServerState, req: Any, rid: str, model: str, tracker: RequestTracker):
         self.state, self.req, self.rid, self.model, self.tracker = state, req, rid, model, tracker
@@ -220,25 +179,40 @@ class RouteCtx(ABC):
     def include_usage(self) -> bool:
         return self.req.stream_options is not None and bool(self.req.stream_options.include_usage)
 
+    def chunk_usage(self) -> dict[str, Any] | None:
+        """Usage for every chunk (vLLM's stream_options.continuous_usage_stats); None = only at the end."""
+        return None
+
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.rid, "object": self.chunk_object, "created": self.created,
                              "model": self.model, "choices": choices}
         if self.include_usage():
-            d["usage"] = usage
+            d["usage"] = usage if usage is not None or not choices else self.chunk_usage()
         return d
+
+    async def next_output(self, stream: OutputStream, request: Request | None = None,
+                          poll: float = 0.25) -> tuple[int, RequestOutput] | None:
+        """stream.next(), with engine errors naming the request's own field (param_rename)."""
+        try:
+            return await stream.next(request, poll)
+        except RequestError as e:
+            new = self.param_rename.get(e.param or "")
+            if new is None:
+                raise
+            raise APIError(400, str(e).replace(str(e.param), new), new, "invalid_value") from None
 
     async def respond(self, stream: OutputStream, request: Request) -> Response:
         """JSON body after the last output, or an SSE stream once the first output is in."""
         poll = self.state.cfg.disconnect_poll_s
         if not self.req.stream:
             try:
-                while (item := await stream.next(request, poll)) is not None:
+                while (item := await self.next_output(stream, request, poll)) is not None:
                     self.collect(item)
             finally:
                 stream.close()
             return JSONResponse(self.final_body())
         try:
-            first = await stream.next(request, poll)
+            first = await self.next_output(stream, request, poll)
         except BaseException:
             stream.close()
             raise
@@ -254,7 +228,7 @@ class RouteCtx(ABC):
                 choice = self.stream_choice(item)
                 if choice is not None:
                     yield sse(self.chunk([choice]))
-                item = await stream.next()
+                item = await self.next_output(stream)
             if self.include_usage():
                 yield sse(self.chunk([], self.usage()))
             self.log_finish()

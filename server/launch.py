@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
+from swaserve.engine.args import bounded_number
 from swaserve.server.app import build_app
+from swaserve.server.params import parse_default_sampling
 from swaserve.server.state import ServerConfig
+
+if TYPE_CHECKING:
+    from swaserve.engine.config import EngineConfig
+    from swaserve.engine.engine import Engine
 
 logger = logging.getLogger("swaserve.server")
 
@@ -28,12 +36,44 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=_port, default=1919, help="port (default 1919)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the GGUF file stem, or swaserve-demo)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is echoed in responses (default: the GGUF file "
+                        "stem, or swaserve-demo)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template replacing (or supplying) the GGUF's tokenizer.chat_template")
+    g.add_argument("--default-sampling", default=None, metavar="KEY=VALUE,...",
+                   help="sampling defaults for requests that do not set them, over the GGUF's and Gemma 4's "
+                        "(e.g. temperature=0.7,top_k=20; also a JSON object)")
+    g.add_argument("--override-generation-config", dest="default_sampling", default=argparse.SUPPRESS,
+                   metavar="JSON", help="vLLM spelling of --default-sampling")
+    g.add_argument("--strict-requests", action="store_true",
+                   help="answer 400 to unknown request fields (default: ignore them with a warning)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="CORS: origins allowed to call the API from a browser ('*': any; default: no CORS)")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on the API routes")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine on a thread of the server's process instead of its own process "
+                        "(debugging; the engine then gets all cores but one by default)")
+    v = p.add_argument_group("vLLM spellings (aliases)")
+    v.add_argument("--max-model-len", dest="context_length", default=argparse.SUPPRESS,
+                   type=bounded_number("--max-model-len", int, min=1), help="= --context-length")
+    v.add_argument("--gpu-memory-utilization", dest="kv_memory_fraction", default=argparse.SUPPRESS,
+                   type=bounded_number("--gpu-memory-utilization", float, min=0, max=1, min_exclusive=True),
+                   help="= --kv-memory-fraction (the share of the memory left after the weights)")
+    v.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
+                   help="= --cache-type radix")
+    v.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="= --cache-type naive")
+
+
+def apply_aliases(args: argparse.Namespace) -> None:
+    """Fold the vLLM spellings that are not plain argparse aliases into the engine flags."""
+    enable = getattr(args, "enable_prefix_caching", None)
+    if enable is not None:
+        args.cache_type = "radix" if enable else "naive"
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -51,13 +91,59 @@ def _check_bind(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def _origins(values: list[str] | None) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in values or []:
+        v = v.strip()
+        if v.startswith("["):  # vLLM passes a JSON list
+            try:
+                items = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError(f"--allowed-origins: not a JSON list: {v}") from None
+            out.extend(str(x) for x in items)
+        else:
+            out.extend(x.strip() for x in v.split(",") if x.strip())
+    return tuple(out)
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"--chat-template {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    from swaserve.engine.chat_template import make_environment
+
+    try:
+        make_environment().from_string(source)
+    except Exception as e:  # a jinja syntax error: one line, before the model loads
+        raise ValueError(f"--chat-template {path}: {e}") from None
+    if not source.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return source
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    names = list(args.served_model_name or [])
+    if any(not n.strip() for n in names):
         raise ValueError("--served-model-name must not be empty")
-    return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
-                        enable_cache_report=args.enable_cache_report)
+    defaults = parse_default_sampling(getattr(args, "default_sampling", None))
+    return ServerConfig(served_model_name=names[0] if names else None, served_model_aliases=tuple(names[1:]),
+                        api_key=args.api_key, enable_cache_report=args.enable_cache_report,
+                        strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
+                        chat_template=_chat_template(args.chat_template),
+                        allowed_origins=_origins(args.allowed_origins))
+
+
+def build_engine_core(cfg: EngineConfig) -> Engine:
+    """Load the model and build the synchronous engine (in the engine process, or on a server thread)."""
+    from swaserve.engine.engine import Engine
+    from swaserve.models.registry import load_model
+
+    return Engine(cfg, load_model(cfg, progress=True))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -66,21 +152,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from swaserve.engine.args import engine_config_from_args
 
+    apply_aliases(args)
     engine_cfg = engine_config_from_args(args)  # ValueError: one line from cli.py, nothing loaded
-    if engine_cfg.cpu_threads is None:
-        # Leave a core to the HTTP event loop: an OpenMP team that shares its cores with another busy
-        # thread stalls at every barrier (measured: 13.5k-token prefill 4.9 s with 1 thread on 2 cores,
-        # 23-35 s with 2).
+    if engine_cfg.cpu_threads is None and not args.engine_process:
+        # In one process, leave a core to the HTTP event loop: an OpenMP team that shares its cores with
+        # another busy thread of its process stalls at every barrier (measured: 13.5k-token prefill 4.9 s
+        # with 1 thread on 2 cores, 23-35 s with 2). In its own process the engine takes every core.
         engine_cfg = dataclasses.replace(engine_cfg, cpu_threads=max(1, (os.cpu_count() or 1) - 1))
     server_cfg = server_config_from_args(args)
     _check_bind(args.host, args.port)
 
     def load():
-        from swaserve.engine.async_engine import AsyncEngine
-        from swaserve.engine.engine import Engine
-        from swaserve.models.registry import load_model
+        if args.engine_process:
+            from swaserve.engine.engine_process import EngineClient
 
-        return AsyncEngine(Engine(engine_cfg, load_model(engine_cfg, progress=True)))
+            return EngineClient(build_engine_core, engine_cfg)
+        from swaserve.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(build_engine_core(engine_cfg))
 
     app = build_app(load, server_cfg)
     state = app.state.swa

@@ -1,4 +1,10 @@
-"""OpenAI request models (pydantic, extra="forbid": an unknown field is a 400 naming it)."""
+"""OpenAI request models (pydantic), lenient like vLLM's.
+
+Every field OpenAI documents is declared (those that mean nothing here are no-ops, see
+server/leniency.py), plus the vLLM / SGLang / llama.cpp extensions clients send. Unknown fields are
+kept in `model_extra`: the routes log them in one warning line, or answer 400 naming the first one with
+`--strict-requests`.
+"""
 
 from __future__ import annotations
 
@@ -7,73 +13,84 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class ContentPart(BaseModel):
-    # extra allowed so that an image part is reported as "unsupported part type", not "unknown field"
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # no-op
+
+
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(Lenient):
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, Any] | None = "{}"
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Lenient):
     id: str | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
     index: int | None = None
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
-    # echoed back by clients that append a previous response message; ignored
+    # echoed back by clients that append a previous response message (`.model_dump()`): no-ops
     refusal: str | None = None
     annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None  # deprecated form of one tool call
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Lenient):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ResponseFormat(_Strict):
+class JsonSchemaFormat(Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(Lenient):
+    """Fields shared by chat and completions."""
+
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -88,12 +105,26 @@ class _SamplingFields(_Strict):
     n: int = 1
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    user: str | None = None  # accepted and ignored
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # no-ops (see server/leniency.py NO_OPS)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    cache_prompt: bool | None = None  # llama.cpp: the prefix cache is always on
+    spaces_between_special_tokens: bool | None = None
+    priority: int | None = None
+    request_id: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -104,12 +135,26 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None  # none / minimal -> thinking off, else on
+    # deprecated OpenAI function calling: mapped to tools / tool_choice
+    functions: list[FunctionDef] | None = None
+    function_call: str | NamedFunction | None = None
+    # vLLM chat extensions
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    echo: bool = False
+    # no-ops or refused when set to something (server/leniency.py)
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 PromptType = str | list[int] | list[list[int]] | list[str]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: PromptType
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -118,16 +163,17 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]

@@ -14,12 +14,13 @@ from swaserve.server.common import (
     RequestTracker,
     RouteCtx,
     TokenText,
-    build_params,
     completion_logprobs,
     tracked,
     usage_dict,
 )
 from swaserve.server.errors import bad_request
+from swaserve.server.leniency import check_fields
+from swaserve.server.params import build_params
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream
@@ -77,6 +78,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 async def _complete(state: ServerState, req: CompletionRequest, request: Request, rid: str,
                     tracker: RequestTracker) -> Response:
+    check_fields(req, state.cfg.strict_requests, rid)
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:
@@ -88,8 +90,9 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
     prompts = _prompts(req, engine.tokenizer)
-    params = build_params(req, req.max_tokens, req.logprobs, True, engine.tokenizer.vocab_size,
-                          rename={"top_logprobs": "logprobs"})
+    params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
+                          state.sampling_defaults(), {"top_logprobs": "logprobs"},
+                          skip_special_tokens=req.skip_special_tokens)
     gens = []
     for i, (ids, _) in enumerate(prompts):
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"

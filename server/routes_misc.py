@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
-from swaserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from swaserve.server.routes_chat import _message_dict, _tools
+from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
 router = APIRouter()
@@ -35,9 +37,10 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
-    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "swaserve",
-            "root": engine.model_name, "max_model_len": engine.context_length}
-    return JSONResponse({"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "swaserve",
+              "root": engine.model_name, "max_model_len": engine.context_length}
+             for name in (state.model_name, *state.cfg.served_model_aliases)]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -60,15 +63,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        fake = ChatCompletionRequest(messages=body.messages, tools=body.tools)
-        tools, _, _ = _tools(fake)
-        msgs = [_message_dict(m, i) for i, m in enumerate(body.messages)]
-        try:
-            rendered = engine.chat_template.render(msgs, tools=tools,
-                                                   add_generation_prompt=body.add_generation_prompt,
-                                                   **(body.chat_template_kwargs or {}))
-        except ValueError as e:
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        plan = chat_prompt.tool_plan(body.tools, None)
+        msgs = chat_prompt.message_dicts(body.messages)
+        kwargs, add_gen = chat_prompt.template_kwargs(body.chat_template_kwargs, body.add_generation_prompt,
+                                                      None)
+        if body.continue_final_message:
+            add_gen = False
+        template = state.chat_template()
+        rendered = await asyncio.to_thread(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
+                                           body.continue_final_message)
         ids = list(rendered.token_ids)
         starts = list(rendered.message_starts)
     else:

@@ -11,10 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from swaserve.server.errors import APIError
 from swaserve.server.metrics import Metrics
-from swaserve.server.reasoning import SpecialText
+from swaserve.server.params import merge_defaults
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.chat_template import ChatTemplate
+    from swaserve.engine.engine_process import EngineClient
+
+    # what the routes drive: the engine on a thread of this process, or in its own process
+    ServedEngine = AsyncEngine | EngineClient
 
 logger = logging.getLogger("swaserve.server")
 
@@ -22,26 +27,32 @@ logger = logging.getLogger("swaserve.server")
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str | None = None  # None = the engine's model_name
+    served_model_aliases: tuple[str, ...] = ()  # further names clients may send (`--served-model-name A B`)
     api_key: str | None = None
     enable_cache_report: bool = False
     disconnect_poll_s: float = 0.25  # how often a non-streamed request checks for a gone client
+    strict_requests: bool = False  # unknown request fields: 400 instead of a warning
+    default_sampling: tuple[tuple[str, float], ...] = ()  # --default-sampling (over the GGUF's defaults)
+    chat_template: str | None = None  # --chat-template: replaces (or supplies) the GGUF's template
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers
 
 
 class ServerState:
     """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
 
-    def __init__(self, cfg: ServerConfig, engine: AsyncEngine | None,
-                 loader: Callable[[], AsyncEngine] | None = None):
+    def __init__(self, cfg: ServerConfig, engine: ServedEngine | None,
+                 loader: Callable[[], ServedEngine] | None = None):
         self.cfg = cfg
-        self.engine: AsyncEngine | None = engine
+        self.engine: ServedEngine | None = engine
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.metrics = Metrics(self.stats, lambda: self.model_name)
         self.created = int(time.time())
-        self._special: SpecialText | None = None
+        self._template: ChatTemplate | None = None
         self._thread: threading.Thread | None = None
         self.owns_engine = engine is None
+        self.draining = False  # set once by start_draining(); read by server/worker_api.py's gate
         if engine is not None:
             engine.log_requests = False  # the server writes the one INFO line per request
 
@@ -62,11 +73,21 @@ class ServerState:
             self.engine = engine
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
+            logger.info("sampling defaults for requests that set none: %s",
+                        ", ".join(f"{k}={v}" for k, v in self.sampling_defaults().items()))
         except BaseException as e:  # reported by /health and by run_serve
             self.load_error = e
             logger.error("model load failed: %s", e)
             if self.on_load_error is not None:
                 self.on_load_error(e)
+
+    def start_draining(self) -> None:
+        """Stop admitting work: from now on /health and every new API request answer 503 (a router sends
+        them elsewhere); requests already admitted run to completion. One-way: the process is expected to
+        exit once they are done."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: /health and new requests answer 503; requests in flight finish")
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         if self._thread is not None:
@@ -78,7 +99,7 @@ class ServerState:
             self.engine.shutdown()
 
     # --- accessors -----------------------------------------------------------------------------
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> ServedEngine:
         if self.engine is not None:
             return self.engine
         if self.load_error is not None:
@@ -94,16 +115,29 @@ class ServerState:
     def check_model(self, name: str | None) -> str:
         """The name to echo in responses; 404 for a model this server does not serve."""
         engine = self.ready_engine()
-        if name is None or name in (self.model_name, engine.model_name):
-            return self.model_name
+        if name is None or name in (self.model_name, engine.model_name, *self.cfg.served_model_aliases):
+            return self.model_name if name is None or name == engine.model_name else name
         raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
                        "model", "model_not_found")
 
-    @property
-    def special(self) -> SpecialText:
-        if self._special is None:
-            self._special = SpecialText.from_tokenizer(self.ready_engine().tokenizer)
-        return self._special
+    def chat_template(self) -> ChatTemplate:
+        """--chat-template, else the GGUF's; 400 when there is neither."""
+        engine = self.ready_engine()
+        if self.cfg.chat_template is not None:
+            if self._template is None:
+                from swaserve.engine.chat_template import ChatTemplate
+
+                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer)
+            return self._template
+        if engine.chat_template is None:
+            raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "
+                           "start the server with --chat-template FILE", "messages", "no_chat_template")
+        return engine.chat_template
+
+    def sampling_defaults(self) -> dict[str, float]:
+        """What a request that sets no sampling field gets (server/params.py)."""
+        gguf = dict(getattr(self.engine, "generation_defaults", None) or {})
+        return merge_defaults(gguf, dict(self.cfg.default_sampling))
 
     def stats(self) -> dict[str, Any] | None:
         return self.engine.stats() if self.engine is not None else None

@@ -53,6 +53,10 @@ REAL = SimpleNamespace(
         ("down", 2816, 2112),
         ("lm_head", 262144, 2816),
     ],
+    # the other block types (tools/gpu_check_quant.py): (name, N, K) with K whole 256-weight blocks,
+    # and the MoE shape (experts, hidden, expert intermediate)
+    quant_projections=[("q swa", 4096, 2816), ("o swa", 2816, 4096), ("gate/up", 2112, 2816)],
+    quant_moe=(128, 2816, 704),
     preset="26b-a4b",
     e2e_prompt=1024,
     e2e_batches=(1, 8),
@@ -75,6 +79,8 @@ TINY = SimpleNamespace(
     moe_tokens=(1, 9),
     gemm_rows=40,
     projections=[("q", 96, 64), ("o", 64, 96)],
+    quant_projections=[("q", 96, 256)],
+    quant_moe=(4, 256, 32),
     preset="tiny",
     e2e_prompt=12,
     e2e_batches=(2,),
@@ -107,6 +113,7 @@ class Ctx:
         self.copy_bw = 0.0  # bytes/s, measured
         self.mm_flops = 0.0  # flop/s, measured bf16 matmul
         self.gen = torch.Generator(device=dev).manual_seed(int(time.time()))
+        self.shapes: Any = None  # REAL or TINY, for the checks of tools/gpu_check_quant.py
 
     def time_ms(self, fn) -> float:
         if self.cuda:
@@ -629,7 +636,20 @@ def _plan(c: Ctx, S) -> list[tuple[str, Any]]:
     plan.append(("offload", lambda: check_offload(c, S, state)))
     for B in S.e2e_batches[:1] if c.quick else S.e2e_batches:
         plan.append((f"e2e B={B}", lambda B=B: check_e2e(c, S, B)))
-    return plan
+    return plan + _quant_plan(c, S)
+
+
+def _quant_plan(c: Ctx, S) -> list[tuple[str, Any]]:
+    """The rows of the other GGUF block types (tools/gpu_check_quant.py), after everything else."""
+    from tools import gpu_check_quant
+
+    def shape_cfg(S, layer_types, experts: int, hidden: int, inter: int):
+        return _shape_cfg(SimpleNamespace(**{**vars(S), "experts": experts, "hidden": hidden,
+                                             "expert_intermediate": inter}), layer_types)
+
+    c.shapes = S
+    helpers = SimpleNamespace(Row=Row, rel_err=rel_err, status=status, moe_ref=_moe_ref, shape_cfg=shape_cfg)
+    return gpu_check_quant.plan(c, helpers)
 
 
 def _fmt(v: float | None, spec: str) -> str:

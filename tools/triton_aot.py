@@ -80,6 +80,17 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
                 t = dict(q, x_ptr="*" + xt, y_ptr="*" + xt)
                 c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
                 out.append((f"{qn} gemm M{m} x {xt}", linear_kernels._gemm_kernel, t, c, w, 3))
+    # every other block format: one GEMV, one GEMM and the two MoE kernels each (the tile decoder is
+    # the only difference between formats; the full grid above covers the tile shapes)
+    others = [(f, n.lower()) for n, f in linear_kernels.WEIGHT_FORMATS.items()
+              if f not in (linear_kernels.FMT_FLOAT, linear_kernels.FMT_Q4_0, linear_kernels.FMT_Q8_0)]
+    for fmt, qn in others:
+        bm, bn, bk = linear_kernels.gemv_blocks(1)
+        out.append((f"{qn} gemv M1", linear_kernels._gemv_kernel, q, dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn,
+                                                                          BLOCK_K=bk), 4, 3))
+        bm, bn, bk, w = linear_kernels.gemm_blocks(64)
+        c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
+        out.append((f"{qn} gemm M64 x bf16", linear_kernels._gemm_kernel, q, c, w, 3))
     mt = dict(
         x_ptr="*bf16",
         wb_ptr="*u8",
@@ -95,9 +106,9 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         (linear_kernels.FMT_Q8_0, "q8_0"),
         (linear_kernels.FMT_FLOAT, "bf16"),
     )
-    for fmt, qn in moe_formats:
+    for fmt, qn in moe_formats + tuple(others):
         t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == linear_kernels.FMT_FLOAT else mt
-        for tk in (8, 16384):
+        for tk in ((8, 16384) if (fmt, qn) in moe_formats else (8,)):
             bm, bn, bk, w = moe_kernels.moe_blocks(tk, 128)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
             out.append((f"moe gate_up {qn} BM{bm}", moe_kernels._gate_up_kernel, t, c, w, 3))

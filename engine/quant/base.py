@@ -1,4 +1,4 @@
-"""A weight in its GGUF stored form (the compute form for F32/F16/BF16/Q4_0/Q8_0)."""
+"""A weight in its GGUF stored form (every block type of engine/quant/formats.py, or a float tensor)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class QWeight:
     """A (possibly stacked) linear weight of torch shape [..., N, K] (y = x @ W^T).
 
     qtype "F32"/"F16"/"BF16": `data` is a float tensor of `shape`.
-    qtype "Q4_0"/"Q8_0": `data` is uint8 [..., N, K // 32 * block_bytes], rows in GGUF block order
-    (a view of the memory-mapped file where possible). Other GGUF types are dequantized at load
-    and arrive here as F32/F16.
+    any block type of engine/quant/formats.py (Q4_0, Q4_K, IQ4_XS, ...): `data` is uint8
+    [..., N, K // block_elems * block_bytes], rows in GGUF block order (a view of the memory-mapped
+    file where possible).
     """
 
     qtype: str

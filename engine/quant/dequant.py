@@ -1,13 +1,23 @@
-"""Dequantization of QWeight (the numerical oracle for every quantized fast path)."""
+"""Dequantization of QWeight (the numerical oracle for every quantized fast path).
+
+Block types decode through the format registry (engine/quant/formats.py), exactly as
+`gguf.quants.dequantize` does in fp32; float types are converted exactly.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, WEIGHTS_PER_BLOCK, QWeight
+from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QWeight
+from swaserve.engine.quant.formats import FORMATS, dequantize_blocks
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-BLOCK_BYTES = {"Q4_0": Q4_0_BLOCK_BYTES, "Q8_0": Q8_0_BLOCK_BYTES}
+BLOCK_BYTES = {name: fmt.block_bytes for name, fmt in FORMATS.items()}  # every block type
+
+
+def supported(qtype: str) -> bool:
+    """Whether a QWeight may hold `qtype` (a float type or a registered block format)."""
+    return qtype in FLOAT_TYPES or qtype in FORMATS
 
 
 def _blocks(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
@@ -17,7 +27,7 @@ def _blocks(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
 
 
 def block_scales(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    """fp16 block scale d of each block, as fp32: uint8 [..., nb * block_bytes] -> [..., nb]."""
+    """fp16 block scale d of each Q4_0 / Q8_0 block, as fp32: uint8 [..., nb * block_bytes] -> [..., nb]."""
     b = _blocks(data, block_bytes)
     return b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
 
@@ -29,29 +39,13 @@ def q4_0_codes(data: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*data.shape[:-1], -1)
 
 
-def dequantize_q4_0(data: torch.Tensor) -> torch.Tensor:
-    """Q4_0 rows -> fp32 [..., nb * 32]; value = (q - 8) * d."""
-    d = block_scales(data, Q4_0_BLOCK_BYTES)  # [..., nb]
-    q = q4_0_codes(data).reshape(*d.shape, WEIGHTS_PER_BLOCK)  # [..., nb, 32]
-    return ((q.to(torch.float32) - 8.0) * d.unsqueeze(-1)).reshape(*data.shape[:-1], -1)
-
-
-def dequantize_q8_0(data: torch.Tensor) -> torch.Tensor:
-    """Q8_0 rows -> fp32 [..., nb * 32]; value = q * d with q int8."""
-    b = _blocks(data, Q8_0_BLOCK_BYTES)  # [..., nb, 34]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [..., nb, 1]
-    q = b[..., 2:].contiguous().view(torch.int8)  # [..., nb, 32]
-    return (q.to(torch.float32) * d).reshape(*data.shape[:-1], -1)
-
-
-def dequantize_data(qtype: str, data: torch.Tensor) -> torch.Tensor:
-    """Dequantize raw stored rows of `qtype` to fp32 (last dim = elements for float types)."""
+def dequantize_data(qtype: str, data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize raw stored rows of `qtype` to fp32 (last dim = elements for float types); into
+    `out` (contiguous fp32 of the result's shape) when given."""
     if qtype in FLOAT_TYPES:
-        return data.to(torch.float32)
-    if qtype == "Q4_0":
-        return dequantize_q4_0(data)
-    if qtype == "Q8_0":
-        return dequantize_q8_0(data)
+        return data.to(torch.float32) if out is None else out.copy_(data)
+    if qtype in FORMATS:
+        return dequantize_blocks(qtype, data, out)
     raise ValueError(f"unsupported QWeight type {qtype!r}")
 
 
@@ -62,6 +56,7 @@ def dequantize(w: QWeight) -> torch.Tensor:
 
 
 def dequantize_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows `ids` of a 2-D weight [N, K] (an embedding lookup): [T] -> [T, K]."""
+    """fp32 rows `ids` of a 2-D weight [N, K] (an embedding lookup): [T] -> [T, K]. Only the stored
+    bytes of those rows are read and decoded."""
     assert len(w.shape) == 2, w.shape
     return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))

@@ -1,4 +1,4 @@
-"""y = x @ W^T for a QWeight in its stored form (F32/F16/BF16/Q4_0/Q8_0), CPU and CUDA.
+"""y = x @ W^T for a QWeight in its stored form (F32/F16/BF16 or any GGUF block type), CPU and CUDA.
 
 CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
 - bf16 input, Q4_0 (N % 16 == 0): torch's int4 weight-only matmul (AVX512/AVX2 kernel). The 4-bit
@@ -16,8 +16,13 @@ CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
 Caches are built lazily per weight on first use (never for the whole model at load) and live in
 the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
 memory (madvise).
+Every other block type (Q4_1, Q5_0, Q5_1, the K types, IQ4_NL, IQ4_XS: engine/quant/formats.py) has
+one CPU path, exact for any input dtype: each call decodes row chunks of the stored blocks with the
+type's registered decoder (`formats.dequantize_blocks`, bit-exact to gguf) into a reused fp32 buffer
+and multiplies them (sgemm); nothing is cached, so the weight stays at its stored size.
 F32/F16/BF16: F.linear (on CPU, a weight whose dtype differs from the input's is converted in row
-chunks). CUDA Q4_0/Q8_0 go to engine.quant.triton_q4 when importable, else dequantize + matmul.
+chunks). On CUDA every block type goes to the Triton kernels of engine.quant.triton_q4 when
+importable, else dequantize + matmul.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from swaserve.engine.quant.dequant import (
     dequantize,
     dequantize_data,
     q4_0_codes,
+    supported,
 )
+from swaserve.engine.quant.formats import dequantize_blocks
 from swaserve.engine.quant.pages import release_pages
 
 if TYPE_CHECKING:
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CODES_TYPES = ("Q4_0", "Q8_0")  # block types with a cached int8-codes form on the exact path
 _CHUNK_ELEMS = 1 << 20  # fp32 weight elements dequantized at once by the exact path (4 MiB)
 _triton_module: Any = None  # engine.quant.triton_q4 once imported (None: not importable)
 _triton_checked = False  # whether the import was tried
@@ -67,7 +75,7 @@ def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torc
     assert x.shape[-1] == k, f"{w.name}: input has {x.shape[-1]} features, weight expects {k}"
     if w.qtype in FLOAT_TYPES and (w.data.dtype == x.dtype or x.is_cuda):
         return F.linear(x, w.data.to(x.dtype))
-    if w.qtype not in BLOCK_BYTES and w.qtype not in FLOAT_TYPES:
+    if not supported(w.qtype):
         raise ValueError(f"{w.name}: unsupported QWeight type {w.qtype!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
@@ -124,6 +132,12 @@ def _chunked_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if w.qtype in FLOAT_TYPES:
         for r0 in range(0, n, rows):
             torch.mm(w.data[r0 : r0 + rows].to(torch.float32), xf.t(), out=yt[r0 : r0 + rows])
+    elif w.qtype not in _CODES_TYPES:  # any other block type: decode the stored rows, chunk by chunk
+        buf = torch.empty(rows, k, dtype=torch.float32)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            b = dequantize_blocks(w.qtype, w.data[r0:r1], out=buf[: r1 - r0])  # [R, K] fp32, exact
+            torch.mm(b, xf.t(), out=yt[r0:r1])
     else:
         codes, d = _codes(w)
         buf = torch.empty(rows, k // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK, dtype=torch.float32)
@@ -149,15 +163,14 @@ def _triton() -> Any:
 
             _triton_module = module
         except ImportError as e:  # pragma: no cover - depends on the install
-            log.warning("the Triton Q4 kernels are unavailable (%s); using dequantize + matmul on CUDA", e)
+            log.warning("the Triton quantized kernels are unavailable (%s); using dequantize + matmul", e)
     return _triton_module
 
 
 def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     mod = _triton()
-    fn = getattr(mod, f"{w.qtype.lower()}_linear", None) if mod is not None else None
-    if fn is not None:
-        return fn(x, w)
+    if mod is not None and w.qtype in mod.WEIGHT_FORMATS:
+        return mod.quant_linear(x, w)
     wd = w.cache.dequantized  # fallback: one dequantized copy in the compute dtype
     if wd is None or wd.dtype != x.dtype:
         wd = w.cache.dequantized = dequantize(w).to(x.dtype)

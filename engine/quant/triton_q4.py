@@ -1,10 +1,11 @@
-"""Triton linears that dequantize GGUF Q4_0 / Q8_0 weights inside the kernel (y = x @ W^T).
+"""Triton linears that dequantize GGUF weights inside the kernel (y = x @ W^T), for every stored type.
 
-The weight stays in its stored form: uint8 [N, K / 32 * B] with B = 18 (Q4_0: fp16 d, then 16
-bytes; low nibble of byte j = element j, high nibble = element j + 16; value (q - 8) * d) or
-B = 34 (Q8_0: fp16 d, then 32 int8; value q * d). Block scales are read through an fp16 view of
-the same bytes (blocks and rows have even byte sizes). Few rows (decode) run a split-K GEMV with
-fp32 partials; more rows run a tiled GEMM on tl.dot. `load_w_tile` is shared with the fused MoE.
+The weight stays in its stored form: uint8 [N, K / E * B] (blocks of E weights in B bytes, in GGUF
+order) for the block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q2_K..Q6_K, IQ4_XS), or a float
+tensor [N, K]. The tile decoder `load_w_tile` (engine/quant/triton_blocks.py) reads fp16 scales
+through an fp16 view of the same bytes (blocks and rows have even byte sizes). Few rows (decode)
+run a split-K GEMV with fp32 partials; more rows run a tiled GEMM on tl.dot. `load_w_tile` is
+shared with the fused MoE.
 """
 
 from __future__ import annotations
@@ -16,35 +17,16 @@ import triton
 import triton.language as tl
 
 from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.triton_blocks import (  # noqa: F401  (re-exported for the fused MoE)
+    FMT_FLOAT,
+    FMT_Q4_0,
+    FMT_Q8_0,
+    WEIGHT_FORMATS,
+    block_elems,
+    load_w_tile,
+)
 
-FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2
-# qtype -> the kernels' FMT constexpr (how load_w_tile reads the weight bytes)
-WEIGHT_FORMATS = {"Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0, "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT}
 GEMV_MAX_ROWS = 4  # rows up to which the GEMV kernel is used
-
-
-@triton.jit
-def load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT: tl.constexpr):
-    """Dequantized fp32 weight tile [BN, BK]: rows at byte offsets `row_off` [BN] (int64; element
-    offsets for FMT_FLOAT), columns `offs_k` [BK]. `wh_ptr` is an fp16 view of the same bytes."""
-    mask = n_mask[:, None] & k_mask[None, :]
-    rows = row_off[:, None]
-    if FMT == 1:
-        blk = offs_k // 32
-        j = offs_k % 32
-        q = tl.load(wb_ptr + rows + (blk * 18 + 2 + j % 16)[None, :], mask=mask, other=0).to(tl.int32)
-        q = (q >> ((j // 16) * 4)[None, :]) & 0xF
-        d = tl.load(wh_ptr + rows // 2 + (blk * 9)[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = (q - 8).to(tl.float32) * d
-    elif FMT == 2:
-        blk = offs_k // 32
-        j = offs_k % 32
-        q = tl.load(wb_ptr + rows + (blk * 34 + 2 + j)[None, :], mask=mask, other=0)
-        d = tl.load(wh_ptr + rows // 2 + (blk * 17)[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
-    else:
-        w = tl.load(wb_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    return w
 
 
 @triton.jit
@@ -168,12 +150,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] for a 2-D QWeight (Q4_0, Q8_0 or float) on the kernel's device."""
+    """x [..., K] @ W^T -> [..., N] for a 2-D QWeight of any WEIGHT_FORMATS type on the kernel's device."""
     if w.qtype not in WEIGHT_FORMATS:
         raise ValueError(f"{w.name}: no triton kernel for weight type {w.qtype!r}")
     assert len(w.shape) == 2, f"{w.name}: triton linear needs a 2-D weight, got {w.shape}"
     N, K = w.shape
-    assert x.shape[-1] == K and K % 32 == 0, (w.name, x.shape, w.shape)
+    assert x.shape[-1] == K and K % block_elems(w.qtype) == 0, (w.name, x.shape, w.shape)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:

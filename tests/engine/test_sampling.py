@@ -12,11 +12,14 @@ from swaserve.engine.core import SamplingParams
 from swaserve.engine.sampling import (
     SampleRow,
     apply_penalties,
+    apply_token_bitmask,
     make_generator,
     min_p_mask,
     sample,
     top_k_mask,
     top_p_mask,
+    unpack_bitmask,
+    unpack_bitmask_torch,
 )
 
 NEG = float("-inf")
@@ -188,3 +191,66 @@ def test_logprobs_are_raw_log_softmax():
     assert tl.token_id == 3 and abs(tl.logprob - float(lp[0, 3])) < 1e-6
     assert [t for t, _ in tl.top] == [1, 3]
     assert abs(tl.top[0][1] - float(lp[0, 1])) < 1e-6
+
+
+def _bitmask(allowed: list[list[bool]]) -> torch.Tensor:
+    """Reference packing: bit t % 32 of int32 word t // 32."""
+    words = (len(allowed[0]) + 31) // 32
+    out = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for r, row in enumerate(allowed):
+        for t, ok in enumerate(row):
+            if ok:
+                out[r, t // 32] |= 1 << (t % 32)
+    out = torch.where(out >= 2**31, out - 2**32, out)  # two's complement into int32
+    return out.to(torch.int32)
+
+
+@pytest.mark.parametrize("V", [70, 96, 100])
+def test_bitmask_touches_only_constrained_rows(V):
+    rng = random.Random(V)
+    logits = _rand_logits(rng, 5, V)
+    rows = [1, 3]
+    allowed = [[rng.random() < 0.3 for _ in range(V)] for _ in rows]
+    allowed[0][V - 1] = True  # the last id (inside the last, partial word) is kept
+    bitmask = _bitmask(allowed)
+    if V == 100:  # a bitmask narrower than the logits: ids past 32 * words are disallowed
+        bitmask = bitmask[:, :2]
+    x = logits.clone()
+    apply_token_bitmask(x, rows, bitmask)
+    every = logits[rows].clone()  # every row constrained: one masked_fill_ over the batch
+    apply_token_bitmask(every, [0, 1], bitmask)
+    assert torch.equal(every, x[rows])
+    for b in range(5):
+        for t in range(V):
+            if b in rows:
+                ok = t < 32 * bitmask.shape[1] and allowed[rows.index(b)][t]
+                assert x[b, t].item() == (logits[b, t].item() if ok else NEG), (b, t)
+            else:
+                assert x[b, t].item() == logits[b, t].item()
+    res = sample(logits, [SampleRow(SamplingParams(temperature=0.0), None) for _ in range(5)], rows, bitmask)
+    for j, b in enumerate(rows):
+        ok = [t for t in range(V) if t < 32 * bitmask.shape[1] and allowed[j][t]]
+        assert res.token_ids[b] == max(ok, key=lambda t: logits[b, t].item())
+
+
+def test_banned_ids_are_never_sampled():
+    rng = random.Random(5)
+    logits = _rand_logits(rng, 2, 50)
+    top = int(logits[0].argmax())
+    rows = [SampleRow(SamplingParams(temperature=0.0), None, banned_ids=[top]),
+            SampleRow(SamplingParams(temperature=1.0), make_generator(1), banned_ids=list(range(1, 50)))]
+    res = sample(logits, rows)
+    assert res.token_ids[0] != top and res.token_ids[1] == 0
+
+
+def test_bitmask_unpacking_paths_agree():
+    """The CPU (numpy) and device (torch bit operations, run here on CPU tensors) paths agree."""
+    rng = random.Random(9)
+    allowed = [[rng.random() < 0.5 for _ in range(300)] for _ in range(3)]
+    bitmask = _bitmask(allowed)
+    cpu = unpack_bitmask(bitmask, 300)
+    assert cpu.tolist() == allowed
+    assert unpack_bitmask(bitmask, 310, invert=True).tolist() == [[not a for a in row] + [True] * 10
+                                                                  for row in allowed]
+    assert unpack_bitmask_torch(bitmask, 300).tolist() == allowed
+    assert unpack_bitmask_torch(~bitmask, 300).tolist() == [[not a for a in row] for row in allowed]

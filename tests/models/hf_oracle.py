@@ -38,6 +38,30 @@ def tiny_hf_config(window: int = 16, vocab: int = 300) -> Gemma4TextConfig:
     return cfg
 
 
+def hf_config_for(cfg: ModelConfig) -> Gemma4TextConfig:
+    """The transformers config of our ModelConfig (the inverse of `model_config`)."""
+    hcfg = Gemma4TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads_swa, head_dim=cfg.head_dim_swa,
+        global_head_dim=cfg.head_dim_full,
+        num_global_key_value_heads=cfg.num_kv_heads_full, attention_k_eq_v=cfg.attention_k_eq_v_full,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=cfg.num_experts,
+        top_k_experts=cfg.top_k_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+        sliding_window=cfg.sliding_window, final_logit_softcapping=cfg.final_logit_softcap,
+        layer_types=[f"{t}_attention" for t in cfg.layer_types], rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.context_length,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta_swa},
+            "full_attention": {"rope_type": "proportional", "rope_theta": cfg.rope_theta_full,
+                               "partial_rotary_factor": 2 * cfg.rope_full_rotated_pairs / cfg.head_dim_full},
+        },
+        pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_ids[0], bos_token_id=cfg.bos_token_id,
+    )
+    hcfg._attn_implementation = "eager"
+    return hcfg
+
+
 def build_hf_model(cfg: Gemma4TextConfig, seed: int = 0) -> Gemma4ForCausalLM:
     """Random fp32 model with norm weights, router scales, per-expert scales and layer scalars
     randomised (their constant initial values would hide mapping bugs)."""
@@ -162,6 +186,55 @@ def load_weights_into_hf(model: Gemma4ForCausalLM, w: Gemma4Weights) -> None:
                 if val is None:
                     continue
                 put(f"model.layers.{i}.{inv[gname]}", dequantize(val) if hasattr(val, "qtype") else val)
+    model.tie_weights()
+
+
+def iq1_m_reference(raw: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks uint8 [..., 56 k] -> fp32 weights, following llama.cpp's dequantize_row_iq1_m (gguf-py
+    0.19 gets the offset signs wrong: `qh & 0x08 == 0` parses as `qh & False`)."""
+    from gguf import quants
+
+    quants.IQ1_M.init_grid()
+    grid = quants.IQ1_M.grid.reshape(2048, 8)
+    b = raw.reshape(-1, 56)
+    sc = b[:, 48:56].copy().view(np.uint16).astype(np.uint32)  # [n, 4]
+    d_bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000)
+    d = d_bits.astype(np.uint16).view(np.float16).astype(np.float32)[:, None]  # [n, 1]
+    scales = np.stack([(sc >> (3 * t)) & 7 for t in range(4)], axis=2).reshape(-1, 16)  # per 16 weights
+    dl = d * (2 * scales + 1).astype(np.float32)  # [n, 16]
+    nib = np.stack([b[:, 32:48] & 0xF, b[:, 32:48] >> 4], axis=2).reshape(-1, 32)  # per 8 weights
+    idx = b[:, 0:32].astype(np.int64) | ((nib & 7).astype(np.int64) << 8)
+    delta = np.where(nib & 8, np.float32(-0.125), np.float32(0.125))  # [n, 32]
+    w = dl.reshape(-1, 16, 1, 1) * (grid[idx].reshape(-1, 16, 2, 8) + delta.reshape(-1, 16, 2, 1))
+    return w.reshape(*raw.shape[:-1], raw.shape[-1] // 56 * 256).astype(np.float32)
+
+
+def file_weights_into_hf(model: Gemma4ForCausalLM, path: str) -> None:
+    """Overwrite the HF model's parameters with the weights a GGUF file defines, decoded by gguf's own
+    numpy code from the file's bytes: an oracle independent of our loader (a loader that changed a
+    weight while loading, e.g. rounded it to F16, shows up as a parity error)."""
+    from gguf import GGUFReader, quants
+
+    inv = {v: k for k, v in _LAYER_MAP.items()}
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for t in GGUFReader(path).tensors:
+            if t.name == "rope_freqs.weight":
+                continue
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if t.tensor_type.name == "IQ1_M":
+                vals = iq1_m_reference(np.asarray(t.data)).reshape(shape)
+            else:
+                vals = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+            if t.name == "token_embd.weight":
+                hf_name = "model.embed_tokens.weight"
+            elif t.name == "output_norm.weight":
+                hf_name = "model.norm.weight"
+            else:
+                _, idx, rest = t.name.split(".", 2)
+                hf_name = f"model.layers.{idx}.{inv[rest]}"
+            target = params[hf_name]
+            target.data.copy_(torch.from_numpy(vals.copy()).reshape(target.shape))
     model.tie_weights()
 
 

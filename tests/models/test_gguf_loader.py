@@ -123,16 +123,35 @@ def test_separate_gate_up_accepted(tmp_path, cfg, tensors, tok_meta) -> None:
         assert torch.equal(dequantize(la.experts.gate_up), dequantize(lb.experts.gate_up))
 
 
-def test_other_types_dequantized_at_load(tmp_path, cfg, tensors, tok_meta) -> None:
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                   "IQ4_XS"])
+def test_every_block_type_kept_in_stored_form(tmp_path, cfg, tensors, tok_meta, qtype: str) -> None:
+    """Each block type stays a view of the file's bytes, in every role it fits at tiny geometry (the
+    K types need 256-column rows: the full layer's o_proj), and dequantizes exactly as gguf does."""
+    from swaserve.models.random_blocks import random_blocks
+
+    rng = np.random.default_rng(0)
+    super_block = qtype.endswith("_K") or qtype == "IQ4_XS"
+    names = ["blk.5.attn_output.weight"] if super_block else [
+        "token_embd.weight", "blk.2.attn_q.weight", "blk.1.ffn_gate_up_exps.weight", "blk.3.ffn_down.weight"]
     t = dict(tensors)
-    w = tensors["blk.2.attn_q.weight"]
-    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
-    t["blk.2.attn_q.weight"] = RawTensor("Q5_0", raw, w.shape)
-    m = load_gguf(_write(tmp_path / "m.gguf", cfg, t, tok_meta), progress=False)
-    q = m.weights.layers[2].q_proj
-    assert q.qtype == "F16" and q.shape == w.shape
-    ref = quants.dequantize(raw, GGMLQuantizationType.Q5_0).astype(np.float16).astype(np.float32)
-    assert torch.equal(dequantize(q), torch.from_numpy(ref))
+    for name in names:
+        t[name] = RawTensor(qtype, random_blocks(qtype, tensors[name].shape, 0.1, rng), tensors[name].shape)
+    path = _write(tmp_path / "m.gguf", cfg, t, tok_meta)
+    m = load_gguf(path, progress=False)
+    raw = Path(path).read_bytes()
+    info = {x.name: x for x in gguf.GGUFReader(path).tensors}
+    got = _loaded_by_name(m)
+    stored = {"token_embd.weight": m.weights.embed, "blk.2.attn_q.weight": m.weights.layers[2].q_proj,
+              "blk.1.ffn_gate_up_exps.weight": m.weights.layers[1].experts.gate_up,
+              "blk.3.ffn_down.weight": m.weights.layers[3].down_proj,
+              "blk.5.attn_output.weight": m.weights.layers[5].o_proj}
+    for name in names:
+        w, ti = stored[name], info[name]
+        assert w.qtype == qtype and w.mmapped and w.data.dtype == torch.uint8, name
+        assert w.data.numpy().tobytes() == raw[ti.data_offset:ti.data_offset + ti.n_bytes], name
+        want = quants.dequantize(t[name].data, GGMLQuantizationType[qtype]).reshape(tensors[name].shape)
+        assert torch.equal(got[name], torch.from_numpy(want)), name
 
 
 def test_tokenizer_model_llama_with_pre_gemma4_passes_through(tmp_path, cfg, tensors, tok_meta) -> None:
@@ -211,6 +230,13 @@ def test_error_unsupported_type(tmp_path, cfg, tensors, tok_meta) -> None:
     t["blk.0.attn_k.weight"] = RawTensor("I32", np.zeros(w.shape, np.int32), w.shape)
     msg = _load_err(_write(tmp_path / "m.gguf", cfg, t, tok_meta))
     assert "blk.0.attn_k.weight" in msg and "unsupported type I32" in msg
+    # a block type gguf can decode but the engine has no decoder for: refused, not converted
+    t = dict(tensors)
+    shape = tensors["blk.5.attn_output.weight"].shape  # (64, 256): whole 256-weight blocks
+    raw = quants.quantize(np.zeros(shape, np.float32), GGMLQuantizationType.TQ2_0)
+    t["blk.5.attn_output.weight"] = RawTensor("TQ2_0", raw, shape)
+    msg = _load_err(_write(tmp_path / "tq.gguf", cfg, t, tok_meta))
+    assert "blk.5.attn_output.weight" in msg and "unsupported type TQ2_0" in msg
 
 
 def test_error_missing_key(tmp_path, cfg, tensors, tok_meta, monkeypatch) -> None:
@@ -244,16 +270,43 @@ def test_progress_bar(tmp_path, cfg, tensors, tok_meta, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_small_preset_resident_memory(tmp_path) -> None:
-    """RSS after loading `small` <= 1.2 x file size + 300 MB (measured in a fresh process)."""
-    from swaserve.models.tiny import make_model
+@pytest.mark.parametrize("qtype,embed_qtype", [("Q4_0", None), ("Q4_0", "Q6_K"), ("Q4_K_M", None),
+                                               ("Q5_K_M", None), ("Q6_K", None), ("Q8_0", None)])
+def test_small_preset_resident_memory(tmp_path, qtype: str, embed_qtype: str | None) -> None:
+    """RSS after loading `small` <= 1.2 x file size + 300 MB (measured in a fresh process), for every
+    llama.cpp mix: every matrix stays a view of the file mapping, nothing is converted at load."""
+    from swaserve.models.gemma4_layout import tensor_shapes
+    from swaserve.models.quant_mix import tensor_types
+    from swaserve.models.tiny import LazyTensors, fit_vocab
 
-    path = make_model("small", str(tmp_path / "small.gguf"), progress=False)
+    cfg = preset_config("small")
+    types = tensor_types(tensor_shapes(cfg), qtype, embed_qtype)
+    path = str(tmp_path / "small.gguf")
+    meta = fit_vocab(demo_tokenizer_metadata(), cfg.vocab_size)
+    write_gguf(path, cfg, LazyTensors(cfg, 0, types, raw=True), meta, qtype=qtype, embed_qtype=embed_qtype)
     code = (
-        "import psutil, sys; from models.gguf_loader import load_gguf; "
+        "import psutil, sys; from swaserve.models.gguf_loader import load_gguf; "
         "m = load_gguf(sys.argv[1], progress=False); print(psutil.Process().memory_info().rss, m.file_size)"
     )
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True)
     rss, size = map(int, out.stdout.split())
+    print(f"small {qtype} embed {embed_qtype}: file {size / 1e6:.0f} MB, RSS after load {rss / 1e6:.0f} MB")
     assert rss <= 1.2 * size + 300e6, (rss, size)
 
+
+def test_serve_refuses_an_unsupported_type_with_one_line(tmp_path, cfg, tensors, tok_meta) -> None:
+    """`swaserve serve --model` on a file with a TQ2_0 matrix (a ternary type no gemma-4 mix uses):
+    exit status 2 and one line naming the tensor and its type, no traceback."""
+    t = dict(tensors)
+    shape = tensors["blk.5.attn_output.weight"].shape  # (64, 256): whole 256-weight blocks
+    raw = np.random.default_rng(0).integers(0, 256, size=(shape[0], 66), dtype=np.uint8)  # 66 B per block
+    t["blk.5.attn_output.weight"] = RawTensor("TQ2_0", raw, shape)
+    path = _write(tmp_path / "tq2.gguf", cfg, t, tok_meta)
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "serve", "--model", path, "--port", "0"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("swaserve serve: error:") and path in last
+    assert "tensor blk.5.attn_output.weight has unsupported type TQ2_0" in last
+    assert "Traceback" not in p.stderr

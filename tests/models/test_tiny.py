@@ -15,6 +15,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 from swaserve.models.gemma4_layout import tensor_shapes
 from swaserve.models.gguf_loader import load_gguf
+from swaserve.models.quant_mix import tensor_types
 from swaserve.models.tiny import (
     LazyTensors,
     RawTensor,
@@ -136,13 +137,18 @@ def test_26b_a4b_preset_shapes() -> None:
     experts = sum(int(np.prod(s)) for n, s in shapes.items() if "_exps.weight" in n)
     assert total == pytest.approx(25.2e9, rel=0.01)  # ~25.2B parameters
     assert total - experts * (1 - 8 / 128) == pytest.approx(3.8e9, rel=0.02)  # ~3.8B active
-    # the streamed generator makes Q4_0 blocks directly (no fp32 pass), with sane scales
-    lazy = LazyTensors(cfg, seed=0, raw_q4_0=True)
+    # the streamed generator makes blocks directly (no fp32 pass), with sane scales
+    lazy = LazyTensors(cfg, seed=0, types=tensor_types(shapes, "Q4_0"), raw=True)
     v = lazy["blk.0.ffn_down_exps.weight"]
     assert isinstance(v, RawTensor) and v.qtype == "Q4_0" and v.data.shape == (128, 2816, 704 // 32 * 18)
     d = v.data.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32)
     assert np.all(np.isfinite(d)) and 0 < d.mean() * 4.6 < 2 / 704**0.5
     assert isinstance(lazy["blk.0.attn_norm.weight"], np.ndarray)
+    lazy = LazyTensors(cfg, seed=0, types=tensor_types(shapes, "Q4_K_M"), raw=True)
+    v = lazy["blk.3.attn_q.weight"]
+    assert v.qtype == "Q4_K" and v.data.shape == (4096, 2816 // 256 * 144)
+    vals = gguf.quants.dequantize(v.data[:64], gguf.GGMLQuantizationType.Q4_K)
+    assert 0.5 < vals.std() * 2816**0.5 < 2 and abs(vals.mean()) < 0.1 * vals.std()
 
 
 def test_small_preset_config() -> None:

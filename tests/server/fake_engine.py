@@ -19,12 +19,15 @@ from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
 class FakeEngine:
     model_name = "fake-model"
 
-    def __init__(self, context_length: int = 4096):
+    def __init__(self, context_length: int = 4096, chat_template: bool = True):
         meta = demo_tokenizer_metadata()
         self.tokenizer = Tokenizer.from_metadata(meta)
-        self.chat_template = ChatTemplate(meta["tokenizer.chat_template"], self.tokenizer)
+        self.chat_template = (ChatTemplate(meta["tokenizer.chat_template"], self.tokenizer) if chat_template
+                              else None)
+        self.generation_defaults: dict[str, float] = {}
         self.context_length = context_length
         self.reply: str | None = None
+        self.reply_ids: list[int] | None = None  # replayed as is (text spelled with any tokens)
         self.fail_after: int | None = None  # raise after this many outputs
         self.overloaded = False
         self.delay_s = 0.0
@@ -54,6 +57,8 @@ class FakeEngine:
                 "generation_tokens_total": 0}
 
     def _tokens(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        if self.reply_ids is not None:
+            return list(self.reply_ids)
         if self.reply is not None:
             return self.tokenizer.encode(self.reply)
         n = params.max_tokens or 8
@@ -78,7 +83,8 @@ class FakeEngine:
             if params.max_tokens is not None:
                 toks = toks[:params.max_tokens]
             for idx in range(params.n):
-                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                               params.mark_special_tokens)
                 for k, t in enumerate(toks):
                     await asyncio.sleep(self.delay_s)
                     if self.fail_after is not None and sent >= self.fail_after:

@@ -41,6 +41,11 @@ def test_cpu_smoke_runs_every_check(tmp_path: Path) -> None:
         "offload decode (cache)",
         "offload prefill (stream)",
         "e2e decode",
+        "q4_k GEMV",
+        "iq4_xs GEMV",
+        "q5_1 GEMV",
+        "moe fused Q4_K/Q5_0",
+        "moe fused IQ4_XS/IQ4_NL",
     ):
         assert group in table, f"{group!r} missing from\n{table}"
     assert "| FAIL |" not in table and "| SKIP |" not in table

@@ -195,3 +195,29 @@ def test_linear_cuda_matches_cpu(qtype: str) -> None:
         y = linear(x.cuda(), gw).cpu()
         assert y.dtype == torch.float32
         assert torch.allclose(y, linear(x, qw), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                   "IQ4_XS"])
+@pytest.mark.parametrize("rows", [1, 8, 70])
+def test_linear_every_block_type_exact(qtype: str, rows: int) -> None:
+    """The generic exact CPU path (decode row chunks + sgemm) against gguf's dequantization, for a
+    2-D weight, expert slices of a stacked one, and fp32 / bf16 inputs; nothing is cached."""
+    from tests.engine.quant.test_formats import oracle, random_blocks
+
+    rng = np.random.default_rng(rows)
+    elems = 256 if qtype.endswith("_K") or qtype == "IQ4_XS" else 32
+    raw = random_blocks(qtype, (3, 40, 512 // elems), rng, special=False).reshape(3, 40, -1)  # [E, N, bytes]
+    ref = torch.from_numpy(oracle(raw, qtype))  # [E, N, 512]
+    stacked = QWeight(qtype, (3, 40, 512), torch.from_numpy(raw), "w")
+    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
+    for e in range(3):
+        sub = expert_slice(stacked, e)
+        _check_linear(linear(x, sub), x, ref[e])
+        xb = x.bfloat16()
+        yb = linear(xb, sub)  # exact on the bf16 values, rounded to bf16 at the end
+        assert yb.dtype == torch.bfloat16
+        assert torch.equal(yb, linear(xb.float(), sub).bfloat16())
+        assert sub.cache.codes is None and sub.cache.int4 is None  # stored form only
+    ids = torch.tensor([5, 39, 0])
+    assert torch.equal(embedding(ids, expert_slice(stacked, 1)), ref[1][ids])

@@ -131,6 +131,6 @@ def test_matches_cpu_linear_on_unaligned_view() -> None:
 
 
 def test_rejects_unknown_type() -> None:
-    w = QWeight("Q6_K", (32, 32), torch.zeros(32, 210, dtype=torch.uint8), "blk.0.x")
-    with pytest.raises(ValueError, match="Q6_K"):
+    w = QWeight("IQ2_XXS", (32, 256), torch.zeros(32, 66, dtype=torch.uint8), "blk.0.x")
+    with pytest.raises(ValueError, match="IQ2_XXS"):
         tq.quant_linear(torch.zeros(1, 32), w)

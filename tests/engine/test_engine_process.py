@@ -1,0 +1,121 @@
+"""The engine in its own process (EngineClient): the same outputs as the in-process engine, errors before
+any output, aborts, flush, a failed load, and a dead engine that fails its streams instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from swaserve.engine.args import engine_config_from_kwargs
+from swaserve.engine.config import EngineConfig
+from swaserve.engine.core import RequestError, SamplingParams
+from swaserve.engine.engine_process import EngineClient, EngineDied
+from swaserve.llm import LLM
+
+KW = {"chunked_prefill_size": 96, "max_running_requests": 8, "device": "cpu", "cpu_threads": 1}
+
+
+def build_demo_engine(cfg: EngineConfig):
+    """The engine factory run in the child (module level: the spawned process imports it by name)."""
+    from swaserve.engine.engine import Engine
+    from swaserve.models.registry import load_model
+
+    return Engine(cfg, load_model(cfg, progress=False))
+
+
+def fail_to_load(cfg: EngineConfig):
+    raise ValueError("--model broken.gguf: not a GGUF file")
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EngineClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
+    yield c
+    c.shutdown()
+
+
+async def _collect(client: EngineClient, rid: str, ids: list[int], params: SamplingParams) -> list:
+    return [out async for out in client.generate(rid, ids, params)]
+
+
+def test_outputs_match_the_in_process_engine(client):
+    prompts = [[2] + [(7 * i + 3 * j) % 900 + 3 for j in range(20 + 9 * i)] for i in range(5)]
+    expected = LLM(None, **KW).generate(prompts, greedy(6))
+
+    async def main():
+        return await asyncio.gather(*[_collect(client, f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
+
+    for outs, exp in zip(asyncio.run(main()), expected):
+        assert [t for o in outs for t in o.token_ids] == exp.token_ids
+        assert "".join(o.text for o in outs) == exp.text
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert client.tokenizer.decode(expected[0].token_ids) is not None
+    s = client.stats()
+    assert s["running"] == 0 and s["waiting"] == 0 and s["full_pool"]["used"] == 0
+
+
+def test_errors_come_before_any_output(client):
+    async def first(ids, params):
+        async for out in client.generate("bad", ids, params):
+            return out
+
+    with pytest.raises(RequestError, match="max_tokens") as e:
+        asyncio.run(first([5] * 10, greedy(client.context_length)))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        asyncio.run(first([client.model_config.vocab_size + 5], greedy(1)))
+    with pytest.raises(RequestError, match="temperature"):
+        asyncio.run(first([5] * 10, SamplingParams(temperature=5.0)))
+
+
+def test_abort_frees_pages_and_flush(client):
+    async def main():
+        agen = client.generate("long", [2] + [11] * 200, greedy(400))
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        for _ in range(200):  # the abort is applied on the engine's next step
+            await asyncio.sleep(0.05)
+            if client.stats()["running"] == 0:
+                break
+        return await client.flush_cache()
+
+    assert asyncio.run(main()) is True
+    s = client.stats()
+    assert s["running"] == 0 and s["full_pool"]["used"] == 0 and s["full_pool"]["cached"] == 0
+
+
+def test_a_failed_load_raises_its_error():
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        EngineClient(fail_to_load, engine_config_from_kwargs(None, **KW), start_timeout=600)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_dead_engine_fails_streams_instead_of_hanging():
+    c = EngineClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
+    try:
+        async def main():
+            agen = c.generate("doomed", [2] + [13] * 50, greedy(2000))
+            await agen.__anext__()  # the request is running
+            os.kill(c._process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDied):
+                async for _ in agen:
+                    pass
+            with pytest.raises(EngineDied):
+                await _collect(c, "after", [2, 3, 4], greedy(1))
+
+        asyncio.run(asyncio.wait_for(main(), timeout=120))
+        assert not c.is_alive()
+    finally:
+        c.shutdown()

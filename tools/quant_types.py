@@ -1,0 +1,71 @@
+"""CPU speed of the exact linear path for every GGUF block type at the real gemma-4-26B-A4B shapes.
+
+`python -m tools.quant_types [--rows 1] [--threads 1] [--types Q4_0,Q4_K,...]` prints, per type,
+the best time per call of engine.quant.linear (fp32 input: the exact path) on a random weight of that
+type (models/random_blocks.py) at each projection / expert shape of tools/quant_matmul.py, their
+sum (one pass over every shape), and that sum as a multiple of Q4_0's, measured side by side in one
+run. Q4_0 and Q8_0 use the cached int8-codes form; the other types decode their stored blocks on each
+call (engine/quant/formats.py). Shapes whose K is not whole blocks of a type are skipped (-).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.linear import linear
+from swaserve.models.quant_mix import BLOCK_QTYPES, block_elems
+from swaserve.models.random_blocks import random_blocks
+from tools.quant_matmul import SHAPES, time_call
+
+
+def run(types: list[str], rows: int, out=sys.stdout) -> dict[str, float]:
+    """Print the table; return {type: summed ms over the shapes every type can hold}."""
+    dev = torch.device("cpu")
+    print(f"threads {torch.get_num_threads()}, rows {rows}, fp32 input (exact path)", file=out)
+    cols = [f"{name} ({k}->{n})" for name, k, n in SHAPES]
+    print("| type | " + " | ".join(cols) + " | sum ms | x Q4_0 |", file=out)
+    print("|" + "---|" * (len(cols) + 3), file=out)
+    common = [s for s in SHAPES if all(s[1] % block_elems(t) == 0 for t in types)]
+    sums: dict[str, float] = {}
+    for qtype in types:
+        cells, total = [], 0.0
+        for name, k, n in SHAPES:
+            if k % block_elems(qtype):
+                cells.append("-")
+                continue
+            raw = random_blocks(qtype, (n, k), k ** -0.5, np.random.default_rng(0))
+            w = QWeight(qtype, (n, k), torch.from_numpy(raw), name)
+            x = torch.randn(rows, k)
+            ms = time_call(lambda: linear(x, w), dev) * 1e3  # noqa: B023
+            cells.append(f"{ms:.2f}")
+            total += ms if (name, k, n) in common else 0.0
+        sums[qtype] = total
+        ratio = f"{total / sums['Q4_0']:.1f}" if "Q4_0" in sums else ""
+        print(f"| {qtype} | " + " | ".join(cells) + f" | {total:.1f} | {ratio} |", file=out, flush=True)
+    if len(common) < len(SHAPES):
+        print(f"sum over the shapes every listed type holds: {', '.join(s[0] for s in common)}", file=out)
+    return sums
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.quant_types", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1, help="input rows (default 1: decode)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--types", default=",".join(BLOCK_QTYPES), help="comma-separated types (Q4_0 first)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    types = [t for t in args.types.split(",") if t]
+    bad = [t for t in types if t not in BLOCK_QTYPES]
+    if bad:
+        raise SystemExit(f"--types: unknown {bad}; expected some of {', '.join(BLOCK_QTYPES)}")
+    run(types, args.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
