@@ -9,7 +9,9 @@ to keep-everything (a pool too large to ever evict), the upper bound.
 
 Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what the running requests
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
-and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV.
+and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
+same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
+pages), so a row's `swa_pool_windows` names its memory, not a fixed split.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, make_trace
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
-from swaserve.engine.kvcache import PageAllocator, SWARadixCache
+from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
 POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512")
@@ -42,6 +44,8 @@ class Geometry:
     chunk: int = 2048  # --chunked-prefill-size
     full_per_swa: int = 4  # full-pool tokens per SWA-pool token
     concurrency: int = 1  # requests in flight (the issue measures one at a time)
+    arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
+    full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
 
 
 @dataclass
@@ -57,13 +61,15 @@ class Row:
     preemptions: int = 0
     seconds: float = 0.0
     per_request: list[int] = field(default_factory=list, repr=False)
+    memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
 
     @property
     def ratio(self) -> float:
         return self.reused_tokens / self.reusable_tokens if self.reusable_tokens else 1.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"workload": self.workload, "policy": self.policy, "swa_pool_windows": self.swa_pool_windows,
+        return {"workload": self.workload, "policy": self.policy, "memory": self.memory,
+                "swa_pool_windows": self.swa_pool_windows,
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
@@ -127,7 +133,13 @@ def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry)
 
 def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry) -> tuple[Scheduler, SWARadixCache]:
     """The engine's scheduler and KV manager over a radix cache configured for `policy`."""
-    fa, sa = PageAllocator(full_pages), PageAllocator(swa_pages)
+    fa: PagePool
+    sa: PagePool
+    if geo.arena:  # the same bytes as the split pools, shared: one block = one SWA page = k full pages
+        arena = Arena(swa_pages + -(-full_pages // geo.full_per_block), geo.full_per_block)
+        fa, sa = arena.full, arena.swa
+    else:
+        fa, sa = PageAllocator(full_pages), PageAllocator(swa_pages)
     kw: dict[str, Any] = {"policy": "lazy", "swa_retain_tokens": 512}
     if policy == "lazy-no-anchors":
         kw["anchors"] = False
@@ -177,7 +189,8 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     return Row(workload, policy, windows, sum(r.cached_tokens or 0 for r in done),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
-               seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done])
+               seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
+               memory="arena" if geo.arena else "split")
 
 
 def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequence[int | str], geo: Geometry,
@@ -252,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=_windows, default=[4, 8, 16, ROOMY],
                    help="SWA pool sizes in windows, comma-separated (default 4,8,16,roomy)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    p.add_argument("--arena", action="store_true",
+                   help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
+                        "full pages)")
     p.add_argument("--check", action="store_true",
                    help="verify every KV read of the fake model and the cache invariants after every step")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
@@ -263,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
-    geo = Geometry(concurrency=args.concurrency)
+    geo = Geometry(concurrency=args.concurrency, arena=args.arena)
     rows = run_table(args.workload, args.policy, args.windows, geo, check=args.check, progress=not args.json)
     if args.json:
         for r in rows:

@@ -19,6 +19,9 @@ class PagePool(Protocol):
     def num_used(self) -> int: ...  # pages handed out (held by requests or cached)
 
     @property
+    def num_ids(self) -> int: ...  # page ids are 0 .. num_ids - 1 (an arena's SWA cap holds fewer at once)
+
+    @property
     def num_carved(self) -> int: ...  # pages of this kind the memory holds now (the pool; an arena's blocks)
 
     @property
@@ -55,6 +58,10 @@ class PageAllocator:
     def num_used(self) -> int:
         """Pages handed out (held by requests or by the prefix cache)."""
         return self._total - len(self._free)
+
+    @property
+    def num_ids(self) -> int:
+        return self._total
 
     @property
     def num_carved(self) -> int:

@@ -187,6 +187,12 @@ class ArenaPages:
         return a.num_blocks * a.full_per_block if self.kind == FULL else a.swa_cap
 
     @property
+    def num_ids(self) -> int:
+        """Page ids are 0 .. num_ids - 1 (every block, whatever the SWA cap)."""
+        a = self.arena
+        return a.num_blocks * a.full_per_block if self.kind == FULL else a.num_blocks
+
+    @property
     def num_used(self) -> int:
         """Pages handed out (held by requests or by the prefix cache)."""
         a = self.arena

@@ -38,12 +38,12 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
                 assert ch.start_page < hi <= ch.end_page and 0 <= an.lo <= an.core_lo < hi, \
                     f"{ch}: anchor {an} ending at {hi} out of place"
             for f in ch.full_pages:
-                assert 0 <= f < fa.num_total and f not in seen_full, f"full page {f} twice in the tree"
+                assert 0 <= f < fa.num_ids and f not in seen_full, f"full page {f} twice in the tree"
                 assert not fa.is_free(f), f"full page {f} in the tree and free"
                 seen_full.add(f)
             for s in ch.swa_pages:
                 if s is not None:
-                    assert 0 <= s < sa.num_total and s not in seen_swa, f"SWA page {s} twice in the tree"
+                    assert 0 <= s < sa.num_ids and s not in seen_swa, f"SWA page {s} twice in the tree"
                     assert not sa.is_free(s), f"SWA page {s} in the tree and free"
                     seen_swa.add(s)
             nodes.append(ch)

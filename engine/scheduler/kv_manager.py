@@ -70,9 +70,13 @@ class KVManager:
         Separate pools: each kind evicts its own pages (the cache's order). One arena: the kinds
         share the blocks, so the cheapest memory of either kind goes first. For full pages: KV no
         window can reach (useless), then unprotected SWA pages (each frees a block of
-        full_per_block full pages), then live full KV (LRU leaves), then retained windows. For SWA
-        pages (whole blocks): useless full KV, then SWA pages in the cache's retention order, then
-        live full KV until whole blocks come free."""
+        full_per_block full pages), then windows in the cache's retention order, then full KV the
+        dropped windows left unreachable, then live full KV (LRU leaves). For SWA pages (whole
+        blocks): useless full KV, then SWA pages in the cache's retention order, then full KV that
+        left unreachable, then live full KV until whole blocks come free. Live full KV goes last
+        because a full leaf takes its windows with it and its pages are spread over blocks (freeing
+        them frees few whole blocks); on the cache_sim traces evicting it before windows lost most
+        of the reuse."""
         cache = self.cache
         arena = self.arena
         if arena is None:
@@ -88,8 +92,9 @@ class KVManager:
             steps: list[Callable[[int], int]] = [
                 lambda d: cache.evict_full(d, dead_only=True),
                 lambda d: cache.evict_swa(_cdiv(d, k), unprotected_only=True),
-                cache.evict_full,
-                lambda d: cache.evict_swa(_cdiv(d, k))]
+                lambda d: cache.evict_swa(_cdiv(d, k)),
+                lambda d: cache.evict_full(d, dead_only=True),
+                cache.evict_full]
             for step in steps:
                 if short() <= 0:
                     return
@@ -102,6 +107,8 @@ class KVManager:
             cache.evict_full(short() * k, dead_only=True)
         if short() > 0:
             cache.evict_swa(short())
+        if short() > 0:  # windows just given up may have left full KV no window reaches
+            cache.evict_full(short() * k, dead_only=True)
         while short() > 0 and cache.evict_full(short() * k):
             pass
 

@@ -133,7 +133,8 @@ class CheckedCache:
                prompt_len: int | None = None, finished: bool = False) -> Any:
         P, c = self.P, self.c
         n = len(ids) // P
-        free_f, free_s = c.full_alloc.num_free, c.swa_alloc.num_free
+        # pages handed out (num_used) rather than num_free: the arena's kinds share blocks
+        used_f, used_s = c.full_alloc.num_used, c.swa_alloc.num_used
         dup_f = dup_s = 0
         new_keys = [key for key in self.keys_of(ids, n) if key not in self.state]
         for j, key in enumerate(self.keys_of(ids, n)):
@@ -158,8 +159,8 @@ class CheckedCache:
                     trimmed += 1
         r = c.insert(ids, full, swa, anchors=anchors, prompt_len=prompt_len, finished=finished)
         assert r.inserted_len == n * P
-        assert c.full_alloc.num_free == free_f + dup_f, "duplicate full pages must be freed"
-        assert c.swa_alloc.num_free == free_s + dup_s + trimmed, "duplicate/trimmed SWA pages must be freed"
+        assert c.full_alloc.num_used == used_f - dup_f, "duplicate full pages must be freed"
+        assert c.swa_alloc.num_used == used_s - dup_s - trimmed, "duplicate/trimmed SWA pages must be freed"
         keys = self.keys_of(ids, n)
         assert r.full_pages == [self.state[x][0] for x in keys] + list(full[n:])
         win = self.window_pages(n)
@@ -168,21 +169,25 @@ class CheckedCache:
         self.sync_check()
         return r
 
-    def evict_swa(self, n: int) -> int:
+    def evict_swa(self, n: int, unprotected_only: bool = False) -> int:
         c = self.c
         before = dump(c)
         anchors_before = {k: list(v) for k, v in self.am.anchors.items()}
-        free0, full_free0 = c.swa_alloc.num_free, c.full_alloc.num_free
+        used0, full_used0 = c.swa_alloc.num_used, c.full_alloc.num_used
         evictable = c.evictable_swa()
-        got = c.evict_swa(n)
+        got = c.evict_swa(n, unprotected_only=unprotected_only)
         after = dump(c)
-        assert after.keys() == before.keys() and c.full_alloc.num_free == full_free0
+        assert after.keys() == before.keys() and c.full_alloc.num_used == full_used0
         gone = [k for k in before if before[k][1] is not None and after[k][1] is None]
         assert all(after[k][1] == before[k][1] for k in before if k not in gone)
         assert all(after[k][0] == before[k][0] for k in before)
         assert all(before[k][2] == 0 for k in gone), "evicted a locked SWA page"
-        assert got == len(gone) == c.swa_alloc.num_free - free0
-        assert got >= min(n, evictable) and c.evictable_swa() == evictable - got
+        assert got == len(gone) == used0 - c.swa_alloc.num_used
+        assert c.evictable_swa() == evictable - got
+        if unprotected_only:  # tier 1 alone: no anchor's protected page
+            assert not any(before[k][3] for k in gone), "unprotected_only evicted a protected page"
+        else:
+            assert got >= min(n, evictable)
         if any(before[k][3] for k in gone):  # tier 2 only once tier 1 (unprotected pages) is exhausted
             assert not [k for k, v in after.items() if v[1] is not None and v[2] == 0 and before[k][3] == 0]
         for k in gone:
@@ -191,23 +196,26 @@ class CheckedCache:
         self.sync_check()
         return got
 
-    def evict_full(self, n: int) -> int:
+    def evict_full(self, n: int, dead_only: bool = False) -> int:
         c = self.c
         before = dict(self.state)
         valid = self.valid_keys()
         reachable = {k for k in before if any(v[:len(k)] == k for v in valid)}
         locked = self.locked_full()
-        f0, s0 = c.full_alloc.num_free, c.swa_alloc.num_free
+        f0, s0 = c.full_alloc.num_used, c.swa_alloc.num_used
         evictable = c.evictable_full()
-        got = c.evict_full(n)
+        got = c.evict_full(n, dead_only=dead_only)
         after = dump(c)
         gone = [k for k in before if k not in after]
         assert all(after[k][:2] == tuple(before[k]) for k in after)
         assert not (set(gone) & locked), "evicted a locked full page"
         assert all(k[:len(g)] != g or k in gone for g in gone for k in before), "removal not prefix-closed"
-        assert got == len(gone) == c.full_alloc.num_free - f0
-        assert c.swa_alloc.num_free - s0 == sum(1 for k in gone if before[k][1] is not None)
-        assert got >= min(n, evictable)
+        assert got == len(gone) == f0 - c.full_alloc.num_used
+        assert s0 - c.swa_alloc.num_used == sum(1 for k in gone if before[k][1] is not None)
+        if dead_only:  # only KV no cached window can reach
+            assert not (set(gone) & reachable), "dead_only evicted reachable KV"
+        else:
+            assert got >= min(n, evictable)
         if any(k in reachable for k in gone):  # dead KV (no reachable window) goes first
             assert not [k for k in after if k not in reachable and k not in locked]
             assert sum(1 for k in before if k not in reachable and k not in locked) < n
