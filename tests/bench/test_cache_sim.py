@@ -95,4 +95,4 @@ def test_arena_serves_correct_kv_and_matches_split_memory(workload: str) -> None
         split = simulate(workload, trace, "lazy", windows, SMALL_GEO)
         shared = simulate(workload, trace, "lazy", windows, arena_geo, check=True)
         assert shared.memory == "arena" and split.memory == "split"
-        assert shared.reused_tokens >= split.reused_tokens, (windows, shared.reused_tokens, split.reused_tokens)
+        assert shared.reused_tokens >= split.reused_tokens, (windows, shared, split)
