@@ -114,14 +114,23 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
     version = _version(cache)
     counters = _counters(cache)
     # pass 1, top-down: per node its live SWA run ending at its last page and whether reuse can end there;
-    # post-order sums of subtree pages and nodes. info[id] = [node, parent_id, pages, run, reusable,
-    # sub_pages, sub_nodes, sub_swa]
-    info: dict[int, list[Any]] = {}
+    # then post-order sums over subtrees. Plain dicts of ints keyed by id(node): no per-node containers,
+    # so the walk does not set off the garbage collector (a full collection is a pause of milliseconds).
+    node_of: dict[int, Any] = {}
+    parent_of: dict[int, int] = {}
+    reusable_of: dict[int, bool] = {}
+    sub_pages: dict[int, int] = {}
+    sub_nodes: dict[int, int] = {}
+    sub_swa: dict[int, int] = {}
+    pos_of: dict[int, int] = {}  # id -> index in order (heap entries are ints: GC-free too)
     order: list[int] = []
-    stack: list[tuple[Any, int, int]] = [(c, 0, 0) for c in _children(root)]
+    stack = list(_children(root))  # three parallel stacks: node, parent id, live run before it
+    stack_parent = [0] * len(stack)
+    stack_run = [0] * len(stack)
     done = total_pages = total_swa = 0
     while stack:
-        node, parent_id, run_before = stack.pop()
+        node, parent_id, run_before = stack.pop(), stack_parent.pop(), stack_run.pop()
+        key = id(node)
         pages = _pages(node)
         live = _live_swa(node)
         if live == pages:
@@ -132,47 +141,72 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
         total_pages += pages
         total_swa += live
         end = _start_page(node) + pages
-        reusable = run >= end - _window_start(cache, end)
-        info[id(node)] = [node, parent_id, pages, run, reusable, pages, 1, live]
-        order.append(id(node))
-        stack.extend((c, id(node), run) for c in _children(node))
+        node_of[key] = node
+        parent_of[key] = parent_id
+        reusable_of[key] = run >= end - _window_start(cache, end)
+        sub_pages[key] = pages
+        sub_nodes[key] = 1
+        sub_swa[key] = live
+        pos_of[key] = len(order)
+        order.append(key)
+        children = _children(node)
+        stack.extend(children)
+        stack_parent.extend([key] * len(children))
+        stack_run.extend([run] * len(children))
         done += 1
         if done % chunk == 0:
             yield
-    for i, key in enumerate(reversed(order)):  # children before parents
-        row = info[key]
-        parent = info.get(row[1])
-        if parent is not None:
-            parent[5] += row[5]
-            parent[6] += row[6]
-            parent[7] += row[7]
-        if i % (chunk * 8) == 0:
+    for i in range(len(order) - 1, -1, -1):  # children before parents
+        key = order[i]
+        parent_id = parent_of[key]
+        if parent_id:
+            sub_pages[parent_id] += sub_pages[key]
+            sub_nodes[parent_id] += sub_nodes[key]
+            sub_swa[parent_id] += sub_swa[key]
+        if i % (chunk * 2) == 0:
             yield
     totals = {"nodes": len(order), "full_pages": total_pages, "swa_live_pages": total_swa}
-    # pass 2: best-first from the root by subtree pages
-    heap = [(-info[id(c)][5], i, id(c)) for i, c in enumerate(_children(root)) if id(c) in info]
+    # pass 2: best-first from the root by subtree pages (heap entries: -(pages << 32 | ~pos), ties by
+    # walk order); `work` counts heap pushes for the yields
+    mask32 = 0xFFFFFFFF
+
+    def entry(k: int) -> int:
+        return -((sub_pages[k] << 32) | (mask32 - pos_of[k]))
+
+    heap: list[int] = []
+    work = 0
+    for c in _children(root):
+        if id(c) in node_of:
+            heap.append(entry(id(c)))
+            work += 1
+            if work % chunk == 0:
+                yield
     heapq.heapify(heap)
+    yield
     shown: dict[int, int] = {}  # node id -> index in the output
     out: list[dict[str, Any]] = []
-    seq = len(heap)
     while heap and len(out) < top_n:
-        _, _, key = heapq.heappop(heap)
-        node, parent_id, pages, run, reusable, sub_pages, sub_nodes, sub_swa = info[key]
+        key = order[mask32 - (-heapq.heappop(heap) & mask32)]
+        node = node_of[key]
+        pages = _pages(node)
         shown[key] = len(out)
         full_locks, handle_locks = _locks(node)
         out.append({
-            "id": len(out), "parent": shown.get(parent_id), "start_token": _start_page(node) * page_size,
-            "tokens": pages * page_size, "pages": pages, "subtree_tokens": sub_pages * page_size,
-            "subtree_nodes": sub_nodes, "swa_live_pages": _live_swa(node),
-            "swa_runs": _runs(_swa_live_mask(node)), "reusable_end": reusable,
+            "id": len(out), "parent": shown.get(parent_of[key]), "start_token": _start_page(node) * page_size,
+            "tokens": pages * page_size, "pages": pages, "subtree_tokens": sub_pages[key] * page_size,
+            "subtree_nodes": sub_nodes[key], "swa_live_pages": _live_swa(node),
+            "swa_runs": _runs(_swa_live_mask(node)), "reusable_end": reusable_of[key],
             "last_access": _last_access(node), "locks": full_locks, "handle_locks": handle_locks,
             "anchors": _anchor_count(node), "preview_ids": list(_edge_tokens(node)[:preview_tokens]),
         })
+        work += 8
         for c in _children(node):
-            if id(c) in info:
-                heapq.heappush(heap, (-info[id(c)][5], seq, id(c)))
-                seq += 1
-        if len(out) % chunk == 0:
+            if id(c) in node_of:
+                heapq.heappush(heap, entry(id(c)))
+                work += 1
+                if work % chunk == 0:
+                    yield
+        if work % chunk < 8:
             yield
     hidden_nodes = totals["nodes"] - len(out)
     hidden_tokens = (totals["full_pages"] - sum(n["pages"] for n in out)) * page_size
@@ -184,10 +218,27 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
             p = out[n["parent"]]
             p["hidden_nodes"] -= n["subtree_nodes"]
             p["hidden_tokens"] -= n["subtree_tokens"]
-    return {"tree": True, "consistent": _version(cache) == version, "page_size": page_size,
+    consistent = _version(cache) == version
+    # freeing 10k entries at once costs milliseconds too
+    yield from _release([node_of, parent_of, reusable_of, sub_pages, sub_nodes, sub_swa, pos_of], order, heap,
+                        chunk * 8)
+    return {"tree": True, "consistent": consistent, "page_size": page_size,
             "window": cache.window, "counters": counters, "totals": totals, "nodes": out,
             "hidden": {"nodes": hidden_nodes, "tokens": hidden_tokens},
             "walk_seconds": time.perf_counter() - t0}
+
+
+def _release(maps: list[dict[int, Any]], order: list[int], heap: list[Any], chunk: int) -> Generator[None]:
+    """Empty the walk's working structures a chunk at a time (their deallocation is per-node work too)."""
+    heap.clear()
+    for m in maps:
+        while m:
+            for _ in range(min(chunk, len(m))):
+                m.popitem()
+            yield
+    while order:
+        del order[-chunk:]
+        yield
 
 
 def run_slice(walk: StateWalk, budget: float | None) -> tuple[bool, dict[str, Any] | None]:
