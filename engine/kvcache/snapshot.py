@@ -301,7 +301,8 @@ def explain_reuse(cache: Any, token_ids: list[int], reused_len: int,
     page counts). reason: "window_evicted" when the tree held whole pages beyond reused_len (up to the
     match limit, len - 1) but the sliding window in front of them was evicted; "page_alignment" when the
     tokens the tree shares beyond reused_len do not fill a page (the prompt's tail, or a divergence
-    inside a page); "no_match" when the tree holds nothing beyond reused_len along this prompt."""
+    inside a page); "no_match" when the tree holds nothing beyond reused_len along this prompt (the
+    cache keeps whole pages only: the tokens of a sequence's last, partial page are never held)."""
     root = _root(cache)
     if root is None or not token_ids:
         return 0, "no_match"
