@@ -208,7 +208,7 @@ function renderTree(st) {
            `+${n.tokens} tok`),
         swaBar(n),
         el("span", { class: "preview", title: n.preview }, n.preview),
-        el("span", { class: "meta" }, `${n.subtree_tokens} tok below \u00b7 used ${clock - n.last_access} ops ago` +
+        el("span", { class: "meta" }, `${n.subtree_tokens} tok in subtree \u00b7 used ${clock - n.last_access} ops ago` +
            (n.reusable_end ? " \u00b7 reusable end" : " \u00b7 window gone at end")),
         locks);
       const li = el("li", {}, row);
@@ -253,12 +253,15 @@ function renderChart(st) {
   const h = st.pool_history || [];
   if (h.length < 1) return;
   const t1 = h[h.length - 1].time, t0 = Math.min(h[0].time, t1 - 60);
+  let top = 0;  // the y axis ends at a round share above the highest point (small caches stay visible)
+  for (const s of h) for (const name of ["full_pool", "swa_pool"]) top = Math.max(top, (s[name].used + s[name].cached) / s[name].total);
+  const ymax = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1].find((v) => v >= top * 1.1) || 1;
   const x = (t) => 40 + ((c.width - 50) * (t - t0)) / Math.max(1, t1 - t0);
-  const y = (v) => c.height - 20 - (c.height - 30) * v;
+  const y = (v) => c.height - 20 - ((c.height - 30) * v) / ymax;
   ctx.strokeStyle = "#d9dde5"; ctx.fillStyle = "#667085"; ctx.font = "11px sans-serif";
-  for (const v of [0, 0.5, 1]) {
+  for (const v of [0, ymax / 2, ymax]) {
     ctx.beginPath(); ctx.moveTo(40, y(v)); ctx.lineTo(c.width - 10, y(v)); ctx.stroke();
-    ctx.fillText(`${v * 100}%`, 4, y(v) + 4);
+    ctx.fillText(`${+(v * 100).toFixed(1)}%`, 4, y(v) + 4);
   }
   ctx.fillText(`${Math.round(t1 - t0)} s`, 40, c.height - 5);
   ctx.fillText("now", c.width - 30, c.height - 5);
