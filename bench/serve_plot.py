@@ -108,6 +108,11 @@ def plot_sweep(runs: list[dict], divergence: dict[int, int], path: str) -> str |
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for cfg, (ns, cached) in series.items():
         ax.plot(ns, cached, marker="o", label=cfg)
+    all_n = sorted({n for ns, _ in series.values() for n in ns})
+    if all_n and all_n[0] > 0 and all_n[-1] >= 10 * all_n[0]:  # N spans decades (the seed's 3 ... 256)
+        ax.set_xscale("log")
+        ax.set_xticks(all_n, [str(n) for n in all_n])
+        ax.minorticks_off()
     if prompt:
         ax.axhline(prompt, color="grey", linestyle=":", linewidth=1, label="prompt tokens")
     ax.set_xlabel("N: the second request diverges N tokens before the first one's end")
