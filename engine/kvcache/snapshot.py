@@ -114,23 +114,25 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
     version = _version(cache)
     counters = _counters(cache)
     # pass 1, top-down: per node its live SWA run ending at its last page and whether reuse can end there;
-    # then post-order sums over subtrees. Plain dicts of ints keyed by id(node): no per-node containers,
-    # so the walk does not set off the garbage collector (a full collection is a pause of milliseconds).
-    node_of: dict[int, Any] = {}
-    parent_of: dict[int, int] = {}
-    reusable_of: dict[int, bool] = {}
-    sub_pages: dict[int, int] = {}
-    sub_nodes: dict[int, int] = {}
-    sub_swa: dict[int, int] = {}
-    pos_of: dict[int, int] = {}  # id -> index in order (heap entries are ints: GC-free too)
-    order: list[int] = []
-    stack = list(_children(root))  # three parallel stacks: node, parent id, live run before it
-    stack_parent = [0] * len(stack)
+    # then post-order sums over subtrees. Everything is kept in lists indexed by the node's position in
+    # the walk (children as first-child / next-sibling links): no object per node, so the walk does not
+    # set off the garbage collector, and no dict that rehashes thousands of entries in one go.
+    nodes: list[Any] = []
+    parent: list[int] = []  # position of the parent, -1 at the root
+    reusable: list[bool] = []
+    sub_pages: list[int] = []
+    sub_nodes: list[int] = []
+    sub_swa: list[int] = []
+    first_child: list[int] = []  # -1: none
+    next_sibling: list[int] = []
+    root_first = -1
+    stack = list(_children(root))  # three parallel stacks: node, parent position, live run before it
+    stack_parent = [-1] * len(stack)
     stack_run = [0] * len(stack)
-    done = total_pages = total_swa = 0
+    total_pages = total_swa = 0
     while stack:
-        node, parent_id, run_before = stack.pop(), stack_parent.pop(), stack_run.pop()
-        key = id(node)
+        node, up, run_before = stack.pop(), stack_parent.pop(), stack_run.pop()
+        pos = len(nodes)
         pages = _pages(node)
         live = _live_swa(node)
         if live == pages:
@@ -141,71 +143,72 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
         total_pages += pages
         total_swa += live
         end = _start_page(node) + pages
-        node_of[key] = node
-        parent_of[key] = parent_id
-        reusable_of[key] = run >= end - _window_start(cache, end)
-        sub_pages[key] = pages
-        sub_nodes[key] = 1
-        sub_swa[key] = live
-        pos_of[key] = len(order)
-        order.append(key)
+        nodes.append(node)
+        parent.append(up)
+        reusable.append(run >= end - _window_start(cache, end))
+        sub_pages.append(pages)
+        sub_nodes.append(1)
+        sub_swa.append(live)
+        first_child.append(-1)
+        if up < 0:
+            next_sibling.append(root_first)
+            root_first = pos
+        else:
+            next_sibling.append(first_child[up])
+            first_child[up] = pos
         children = _children(node)
         stack.extend(children)
-        stack_parent.extend([key] * len(children))
+        stack_parent.extend([pos] * len(children))
         stack_run.extend([run] * len(children))
-        done += 1
-        if done % chunk == 0:
+        if pos % chunk == 0:
             yield
-    for i in range(len(order) - 1, -1, -1):  # children before parents
-        key = order[i]
-        parent_id = parent_of[key]
-        if parent_id:
-            sub_pages[parent_id] += sub_pages[key]
-            sub_nodes[parent_id] += sub_nodes[key]
-            sub_swa[parent_id] += sub_swa[key]
-        if i % (chunk * 2) == 0:
+    for pos in range(len(nodes) - 1, -1, -1):  # children come after their parents in the walk
+        up = parent[pos]
+        if up >= 0:
+            sub_pages[up] += sub_pages[pos]
+            sub_nodes[up] += sub_nodes[pos]
+            sub_swa[up] += sub_swa[pos]
+        if pos % (chunk * 2) == 0:
             yield
-    totals = {"nodes": len(order), "full_pages": total_pages, "swa_live_pages": total_swa}
-    # pass 2: best-first from the root by subtree pages (heap entries: -(pages << 32 | ~pos), ties by
-    # walk order); `work` counts heap pushes for the yields
+    totals = {"nodes": len(nodes), "full_pages": total_pages, "swa_live_pages": total_swa}
+    # pass 2: best-first from the root by subtree pages; heap entries are ints, -(pages << 32 | ~pos)
+    # (ties by walk order); `work` counts heap pushes for the yields
     mask32 = 0xFFFFFFFF
-
-    def entry(k: int) -> int:
-        return -((sub_pages[k] << 32) | (mask32 - pos_of[k]))
-
     heap: list[int] = []
     work = 0
-    for c in _children(root):
-        if id(c) in node_of:
-            heap.append(entry(id(c)))
-            work += 1
-            if work % chunk == 0:
-                yield
+    child = root_first
+    while child >= 0:
+        heap.append(-((sub_pages[child] << 32) | (mask32 - child)))
+        child = next_sibling[child]
+        work += 1
+        if work % chunk == 0:
+            yield
     heapq.heapify(heap)
     yield
-    shown: dict[int, int] = {}  # node id -> index in the output
+    shown: dict[int, int] = {}  # position -> index in the output
     out: list[dict[str, Any]] = []
     while heap and len(out) < top_n:
-        key = order[mask32 - (-heapq.heappop(heap) & mask32)]
-        node = node_of[key]
+        pos = mask32 - (-heapq.heappop(heap) & mask32)
+        node = nodes[pos]
         pages = _pages(node)
-        shown[key] = len(out)
+        shown[pos] = len(out)
         full_locks, handle_locks = _locks(node)
         out.append({
-            "id": len(out), "parent": shown.get(parent_of[key]), "start_token": _start_page(node) * page_size,
-            "tokens": pages * page_size, "pages": pages, "subtree_tokens": sub_pages[key] * page_size,
-            "subtree_nodes": sub_nodes[key], "swa_live_pages": _live_swa(node),
-            "swa_runs": _runs(_swa_live_mask(node)), "reusable_end": reusable_of[key],
+            "id": len(out), "parent": shown.get(parent[pos]), "start_token": _start_page(node) * page_size,
+            "tokens": pages * page_size, "pages": pages, "subtree_tokens": sub_pages[pos] * page_size,
+            "subtree_nodes": sub_nodes[pos], "swa_live_pages": _live_swa(node),
+            "swa_runs": _runs(_swa_live_mask(node)), "reusable_end": reusable[pos],
             "last_access": _last_access(node), "locks": full_locks, "handle_locks": handle_locks,
             "anchors": _anchor_count(node), "preview_ids": list(_edge_tokens(node)[:preview_tokens]),
         })
         work += 8
-        for c in _children(node):
-            if id(c) in node_of:
-                heapq.heappush(heap, entry(id(c)))
-                work += 1
-                if work % chunk == 0:
-                    yield
+        child = first_child[pos]
+        while child >= 0:
+            heapq.heappush(heap, -((sub_pages[child] << 32) | (mask32 - child)))
+            child = next_sibling[child]
+            work += 1
+            if work % chunk == 0:
+                yield
         if work % chunk < 8:
             yield
     hidden_nodes = totals["nodes"] - len(out)
@@ -219,26 +222,21 @@ def walk_state(cache: Any, top_n: int = 64, preview_tokens: int = 24, chunk: int
             p["hidden_nodes"] -= n["subtree_nodes"]
             p["hidden_tokens"] -= n["subtree_tokens"]
     consistent = _version(cache) == version
-    # freeing 10k entries at once costs milliseconds too
-    yield from _release([node_of, parent_of, reusable_of, sub_pages, sub_nodes, sub_swa, pos_of], order, heap,
-                        chunk * 8)
+    # freeing the tables of 10k nodes at once costs milliseconds too
+    tables = [nodes, parent, reusable, sub_pages, sub_nodes, sub_swa, first_child, next_sibling, heap]
+    yield from _release(tables, chunk * 8)
     return {"tree": True, "consistent": consistent, "page_size": page_size,
             "window": cache.window, "counters": counters, "totals": totals, "nodes": out,
             "hidden": {"nodes": hidden_nodes, "tokens": hidden_tokens},
             "walk_seconds": time.perf_counter() - t0}
 
 
-def _release(maps: list[dict[int, Any]], order: list[int], heap: list[Any], chunk: int) -> Generator[None]:
-    """Empty the walk's working structures a chunk at a time (their deallocation is per-node work too)."""
-    heap.clear()
-    for m in maps:
-        while m:
-            for _ in range(min(chunk, len(m))):
-                m.popitem()
+def _release(tables: list[list[Any]], chunk: int) -> Generator[None]:
+    """Empty the walk's tables a chunk at a time (their deallocation is per-node work too)."""
+    for table in tables:
+        while table:
+            del table[-chunk:]
             yield
-    while order:
-        del order[-chunk:]
-        yield
 
 
 def run_slice(walk: StateWalk, budget: float | None) -> tuple[bool, dict[str, Any] | None]:
