@@ -37,7 +37,7 @@ class AsyncEngine:
         self._abort_q: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self._state_q: queue.SimpleQueue[tuple[int, asyncio.Future]] = queue.SimpleQueue()
-        self._walks = SlicedCalls()  # cache_state walks, advanced between steps (<= 0.5 ms at a time)
+        self._walks = SlicedCalls()  # cache_state walks, advanced between steps (0.25 ms budget a slice)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._step_lock = threading.Lock()  # held by the loop thread around each step
@@ -198,7 +198,7 @@ class AsyncEngine:
 
     async def cache_state(self, top_n: int = 64) -> dict[str, Any]:
         """The inspector's view of the cache (Engine.cache_state_walk), walked on the loop thread between
-        steps in slices of at most half a millisecond."""
+        steps in slices of a quarter of a millisecond."""
         if self._thread is None:
             with self._step_lock:
                 return self.core.cache_state(top_n)

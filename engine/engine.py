@@ -266,7 +266,7 @@ class Engine:
 
     def cache_state_walk(self, top_n: int = 64) -> snapshot.StateWalk:
         """The inspector's view (GET /v1/cache/state) as a resumable walk (engine/kvcache/snapshot.py): the
-        asynchronous fronts advance it between steps, at most half a millisecond at a time."""
+        asynchronous fronts advance it between steps, a quarter of a millisecond at a time."""
         state = yield from snapshot.walk_state(self.cache, top_n)
         now = time.monotonic()
         pools = self._pools()

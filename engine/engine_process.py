@@ -90,7 +90,7 @@ class _EngineLoop:
     def __init__(self, core: Any, messages: queue.SimpleQueue, wake: threading.Event, outbox: Connection):
         self.core, self.messages, self.wake, self.outbox = core, messages, wake, outbox
         self.submitted = 0  # sequence number of the last submission taken (the server counts in-transit ones)
-        self.walks = SlicedCalls()  # cache_state walks, advanced between steps (<= 0.5 ms at a time)
+        self.walks = SlicedCalls()  # cache_state walks, advanced between steps (0.25 ms budget a slice)
 
     def stats(self) -> dict[str, Any]:
         return {**self.core.stats(), "submitted": self.submitted}
@@ -336,7 +336,7 @@ class EngineClient:
 
     async def cache_state(self, top_n: int = 64) -> dict[str, Any]:
         """The inspector's view of the cache, walked in the engine process between steps (slices of at
-        most half a millisecond; engine/kvcache/snapshot.py)."""
+        most a quarter of a millisecond; engine/kvcache/snapshot.py)."""
         return await self._call("state", top_n)
 
     async def _call(self, kind: str, arg: Any) -> Any:

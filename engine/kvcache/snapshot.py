@@ -255,7 +255,7 @@ class SlicedCalls:
     """Walks the asynchronous fronts run between steps: each `advance` spends at most `budget` seconds
     (plus one chunk) on each pending walk, and hands finished results to their callbacks."""
 
-    def __init__(self, budget: float = 0.0005):
+    def __init__(self, budget: float = 0.00025):
         self.budget = budget
         self._pending: list[tuple[StateWalk, WalkDone, dict[str, float]]] = []
         self.max_slice_seconds = 0.0  # the longest single slice so far (what a step waited at most)
