@@ -6,11 +6,12 @@ node's attributes (engine/kvcache/node.py) is a one-place fix here.
 
 Cost model: a walk over every node costs microseconds per node in Python (tens of milliseconds at 10k
 nodes on a loaded 2-core machine), far above the 1 ms a step may be held up. So `walk_state` is a
-generator that yields every `chunk` nodes; `run_slice` advances it for a time budget. The asynchronous
-fronts run one slice between steps (never more than `budget` seconds at a time) and finish the walk over
-several steps; the synchronous `Engine.cache_state` runs it to the end at once. A walk whose slices
-were separated by steps that changed the cache is marked `consistent: false` (its nodes were read at
-slightly different times); a walk that ran while nothing changed the cache is exact.
+generator that yields every `chunk` nodes; `run_slice` advances it for a time budget (stopping at the
+first chunk boundary past it). The asynchronous fronts run one slice (0.25 ms budget) between steps
+and finish the walk over several steps; the synchronous `Engine.cache_state` runs it to the end at
+once. A walk whose slices were separated by steps that changed the cache is marked
+`consistent: false` (its nodes were read at slightly different times); a walk that ran while nothing
+changed the cache is exact.
 """
 
 from __future__ import annotations
