@@ -293,7 +293,7 @@ class SlicedCalls:
 
 # ---- why reuse stopped ----------------------------------------------------------------------------------
 def explain_reuse(cache: Any, token_ids: list[int], reused_len: int,
-                  max_siblings: int = 4096) -> tuple[int, str]:
+                  max_siblings: int = 256) -> tuple[int, str]:
     """(matched_tokens, reason) for a match that reused reused_len tokens of token_ids.
 
     matched_tokens: the longest prefix of token_ids the tree holds full KV for, to the token (a partial
@@ -301,7 +301,9 @@ def explain_reuse(cache: Any, token_ids: list[int], reused_len: int,
     match limit, len - 1) but the sliding window in front of them was evicted; "page_alignment" when the
     tokens the tree shares beyond reused_len do not fill a page (the prompt's tail, or a divergence
     inside a page); "no_match" when the tree holds nothing beyond reused_len along this prompt (the
-    cache keeps whole pages only: the tokens of a sequence's last, partial page are never held)."""
+    cache keeps whole pages only: the tokens of a sequence's last, partial page are never held).
+    Runs at every first admission, so its cost is bounded: a divergence inside a page is looked for
+    among at most max_siblings branches (past that, such a request is reported as no_match)."""
     root = _root(cache)
     if root is None or not token_ids:
         return 0, "no_match"
