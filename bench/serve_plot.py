@@ -85,23 +85,25 @@ def plot_ttft(runs: list[dict], path: str) -> str:
     return path
 
 
-def sweep_series(runs: list[dict], divergence: dict[int, int]) -> tuple[Series, int]:
-    """({config: (N values, tokens the second request reused)}, the largest prompt) of the sweep runs."""
+def sweep_series(runs: list[dict], divergence: dict[int, int]) -> tuple[Series, dict[int, int]]:
+    """({config: (N values, tokens the second request reused)}, {N: the second request's prompt tokens})."""
     from swaserve.bench.serve_stats import sweep_rows
 
-    out, prompt = {}, 0
+    out: Series = {}
+    prompts: dict[int, int] = {}
     for r in runs:
         if not r.get("sweep_n"):
             continue
         rows = [row for row in sweep_rows(r["results"], r["sweep_n"], divergence)
                 if row["ok"] and row["cached"] is not None]
         out[r["config"]] = ([row["n"] for row in rows], [row["cached"] for row in rows])
-        prompt = max([prompt] + [row["prompt"] for row in rows])
-    return out, prompt
+        for row in rows:
+            prompts[row["n"]] = max(prompts.get(row["n"], 0), row["prompt"])
+    return out, prompts
 
 
 def plot_sweep(runs: list[dict], divergence: dict[int, int], path: str) -> str | None:
-    series, prompt = sweep_series(runs, divergence)
+    series, prompts = sweep_series(runs, divergence)
     if not series:
         return None
     plt = _pyplot()
@@ -113,8 +115,10 @@ def plot_sweep(runs: list[dict], divergence: dict[int, int], path: str) -> str |
         ax.set_xscale("log")
         ax.set_xticks(all_n, [str(n) for n in all_n])
         ax.minorticks_off()
-    if prompt:
-        ax.axhline(prompt, color="grey", linestyle=":", linewidth=1, label="prompt tokens")
+    if prompts:
+        ns = sorted(prompts)
+        ax.plot(ns, [prompts[n] for n in ns], color="grey", linestyle=":", linewidth=1,
+                label="prompt tokens (2nd request)")
     ax.set_xlabel("N: the second request diverges N tokens before the first one's end")
     ax.set_ylabel("tokens reused (cached_tokens)")
     ax.set_title("divergence sweep")
