@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swaserve.engine.core import Req
-from swaserve.engine.kvcache import PageAllocator, PrefixCache
+from swaserve.engine.kvcache import Match, PageAllocator, PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -29,12 +29,15 @@ class KVManager:
         self.swa_alloc = swa_alloc
         self.page_size = page_size
         self.window = window
+        self.on_admit: Callable[[Req, Match], None] | None = None  # sees each match before anything evicts
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
         """Match the request's tokens against the cache and lock the hit; returns the reused length."""
         assert req.handle is None and not req.full_pages
         m = self.cache.match(req.token_ids)
+        if self.on_admit is not None:
+            self.on_admit(req, m)
         self.cache.lock(m.handle)
         req.handle = m.handle
         req.num_computed = req.tree_len = m.reused_len
