@@ -23,8 +23,6 @@ from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear
 from swaserve.models.weights import Gemma4Weights, LayerWeights
 
-_ROPE_MIN_TABLE = 4096  # first table size; grows by doubling up to the largest position seen
-
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
              dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -54,23 +52,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int)
 
 
 class _Rope:
-    """cos/sin tables of one layer kind, computed lazily and grown by doubling."""
+    """cos/sin of one layer kind at a step's positions, computed on the positions' device.
+
+    angle = position * inv_freq in fp32, elementwise exactly what a precomputed table holds, with
+    no table size to outgrow and no `positions.max()` read back to the host (a sync per step)."""
 
     def __init__(self, theta: float, dim: int, pairs: int, half: int, device: torch.device):
         # inv_freq[i] = 1 / theta^(2i / dim) for the rotated pairs (the rest have frequency 0)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / dim))
         self.inv_freq = self.inv_freq.to(device)  # [pairs]
         self.half = half
-        self.cos = torch.empty(0, pairs, device=device)
-        self.sin = torch.empty(0, pairs, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            size = max(_ROPE_MIN_TABLE, 1 << (need - 1).bit_length())
-            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq  # [S, n]
-            self.cos, self.sin = freqs.cos(), freqs.sin()
-        return self.cos[positions], self.sin[positions]  # [T, n] each
+        angle = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, n]
+        return angle.cos(), angle.sin()  # [T, n] each
 
 
 def _to_dev(w: QWeight, device: torch.device) -> QWeight:
