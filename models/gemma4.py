@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import CpuMatmul, ModelConfig
+from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear
@@ -68,20 +69,21 @@ class _Rope:
         return angle.cos(), angle.sin()  # [T, n] each
 
 
-def _to_dev(w: QWeight, device: torch.device) -> QWeight:
-    if w.data.device == device:
+def _to_dev(w: QWeight, device: torch.device, dtype: torch.dtype | None) -> QWeight:
+    """On CUDA float weights are converted to `dtype` here, once (engine/fused/weights.py)."""
+    if device.type == "cpu":
         return w
-    return QWeight(w.qtype, w.shape, w.data.to(device), w.name)
+    return float_weight_to(w, device, dtype)
 
 
-def _layer_to(lw: LayerWeights, device: torch.device) -> LayerWeights:
+def _layer_to(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> LayerWeights:
     """Everything but the routed experts (the MoE backend places those) on `device`."""
     if device.type == "cpu":
         return lw
     moved = {}
     for name, val in vars(lw).items():
         if isinstance(val, QWeight):
-            moved[name] = _to_dev(val, device)
+            moved[name] = _to_dev(val, device, dtype)
         elif isinstance(val, torch.Tensor):
             moved[name] = val.to(device)
         else:
@@ -110,9 +112,10 @@ class Gemma4Model:
         self.cpu_matmul = cpu_matmul  # CPU Q4_0 linears of fp32 inputs: exact or fast (EngineConfig)
         self.attn = attn
         self.moe = moe
-        self.embed = _to_dev(weights.embed, self.device)  # [V, H], also the tied lm_head
+        # [V, H], also the tied lm_head: kept in its stored dtype (logits_fp32 casts the hidden rows)
+        self.embed = _to_dev(weights.embed, self.device, None)
         self.final_norm = weights.final_norm.to(self.device).float()
-        self.layers = [_layer_to(lw, self.device) for lw in weights.layers]
+        self.layers = [_layer_to(lw, self.device, dtype) for lw in weights.layers]
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.router_input_scale = cfg.hidden_size ** -0.5
         self._is_sliding = [t == "sliding" for t in cfg.layer_types]  # per layer
@@ -139,7 +142,8 @@ class Gemma4Model:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V] (tied lm_head, final softcap)."""
-        out = self._linear(hidden.to(self.dtype), self.embed).float()  # [N, V]
+        x = hidden.to(self.dtype)
+        out = logits_fp32(x, self.embed) if x.is_cuda else self._linear(x, self.embed).float()  # [N, V]
         cap = self.cfg.final_logit_softcap
         if cap:
             out = torch.tanh(out / cap) * cap
