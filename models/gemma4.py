@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import CpuMatmul, ModelConfig
+from swaserve.engine.fused import decoder as fused_decoder
+from swaserve.engine.fused.ops import use_device_kernels
 from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight
@@ -131,6 +133,8 @@ class Gemma4Model:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
         """input_ids [T] (new tokens of every sequence, flat) -> fp32 hidden [T, H] after the final norm."""
+        if use_device_kernels(self.device) and fused_decoder.supported(self):
+            return fused_decoder.device_forward(self, input_ids, meta, pool)  # engine/fused: CUDA path
         ids = input_ids.to(self.device)
         positions = meta.positions.to(self.device)  # [T]
         h = embedding(ids, self.embed) * self.embed_scale  # [T, H] fp32 residual stream
