@@ -6,7 +6,8 @@ Per layer (after its input norm, which the previous layer's tail kernel produced
   (1 launch) -> paged attention -> o linear -> post-attention kernel (norm + residual, and the three
   norms of the new residual: MLP input, MoE input, router input) -> gate, up, gelu*up, down ->
   router kernel (linear, softmax, top-k, renormalise, scale) -> MoE (device-side alignment) ->
-  tail kernel (three norms, residual, layer scalar, and the next layer's input norm).
+  tail kernel (the sum over the K expert rows, three norms, residual, layer scalar, and the next
+  layer's input norm).
 The model is duck-typed (models/gemma4.py's Gemma4Model): engine/ never imports models/.
 """
 
@@ -110,11 +111,14 @@ def device_layer(model: Any, i: int, lw: Any, h: torch.Tensor, x: torch.Tensor,
     topk_w = torch.empty(T, K, dtype=torch.float32, device=h.device)
     moe_kernels.router_kernel[(T,)](x_router, lw.router, lw.per_expert_scale, topk_ids, topk_w, H, E=E, K=K,
                                     BLOCK_H=64)
-    moe_fp32 = getattr(model.moe, "forward_fp32", None)
-    m2 = moe_fp32(i, x_moe, topk_ids, topk_w) if moe_fp32 else model.moe.forward(i, x_moe, topk_ids, topk_w)
+    unsummed = getattr(model.moe, "forward_unsummed", None)  # [T, K, H] fp32 rows: the tail sums them
+    if unsummed is not None:
+        m2 = unsummed(i, x_moe, topk_ids, topk_w)
+    else:
+        m2 = model.moe.forward(i, x_moe, topk_ids, topk_w)[:, None, :]  # [T, 1, H]
     # tail: norms, residual, layer scalar, next input norm
     x_next = torch.empty(T, H, dtype=next_dtype, device=h.device)
     norm_kernels.layer_tail_kernel[(T,)](
-        mlp, m2, h, lw.post_ffw_norm_1, lw.post_ffw_norm_2, lw.post_ffw_norm, lw.layer_scalar, next_norm,
-        x_next, H, eps, HAS_NEXT=True, BLOCK=block)
+        mlp, m2, m2.shape[1], h, lw.post_ffw_norm_1, lw.post_ffw_norm_2, lw.post_ffw_norm, lw.layer_scalar,
+        next_norm, x_next, H, eps, HAS_NEXT=True, BLOCK=block)
     return x_next

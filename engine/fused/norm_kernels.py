@@ -51,15 +51,18 @@ def post_attention_kernel(a_ptr, h_ptr, w_pa_ptr, w_ffn_ptr, w_moe_ptr, w_router
 
 
 @triton.jit
-def layer_tail_kernel(m1_ptr, m2_ptr, h_ptr, w1_ptr, w2_ptr, w_post_ptr, scalar_ptr, w_next_ptr, x_next_ptr,
-                      N, eps, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+def layer_tail_kernel(m1_ptr, m2_ptr, top_k, h_ptr, w1_ptr, w2_ptr, w_post_ptr, scalar_ptr, w_next_ptr,
+                      x_next_ptr, N, eps, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    # m2 [T, top_k, N]: the weighted expert rows, summed here in fp32
     # h[t] = (h + norm(norm(m1) * w1 + norm(m2) * w2) * w_post) * scalar   (in place, fp32)
     # x_next[t] = norm(h) * w_next: the next layer's input norm (or the final norm), when HAS_NEXT
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     m1 = tl.load(m1_ptr + t * N + offs, mask=m, other=0.0).to(tl.float32)
-    m2 = tl.load(m2_ptr + t * N + offs, mask=m, other=0.0).to(tl.float32)
+    m2 = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(top_k):
+        m2 += tl.load(m2_ptr + (t * top_k + k) * N + offs, mask=m, other=0.0).to(tl.float32)
     s = m1 * _rms(m1, N, eps) * tl.load(w1_ptr + offs, mask=m, other=0.0)
     s = s + m2 * _rms(m2, N, eps) * tl.load(w2_ptr + offs, mask=m, other=0.0)
     h = tl.load(h_ptr + t * N + offs, mask=m, other=0.0)

@@ -155,14 +155,15 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     intermediate_size: int,  # I
     block_m: int | None = None,  # rows per block of the sorted assignments (None: by batch size)
-    out_dtype: torch.dtype | None = None,  # None: x's dtype (fp32 skips a rounding and a cast)
+    out_dtype: torch.dtype | None = None,  # None: x's dtype
+    summed: bool = True,  # False: the weighted rows per assignment, [T, K, H] fp32 (a caller sums them)
 ) -> torch.Tensor:  # [T, H] in out_dtype
     """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E = gate_up[0].shape[0]
     if T == 0:
-        return torch.zeros_like(x, dtype=out_dtype or x.dtype)
+        return torch.zeros_like(x, dtype=out_dtype or x.dtype) if summed else x.new_zeros(0, K, H).float()
     if x.stride(1) != 1:
         x = x.contiguous()
     bm, bn, bk, warps = moe_blocks(T * K, E)
@@ -185,6 +186,8 @@ def fused_moe(
         act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
         FMT=WEIGHT_FORMATS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
+    if not summed:
+        return out.view(T, K, H)
     return out.view(T, K, H).sum(1).to(out_dtype or x.dtype)
 
 
@@ -221,7 +224,7 @@ class TritonMoE(MoEBackend):
         return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights,
                          self.intermediate_size, self.block_m)
 
-    def forward_fp32(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-                     ) -> torch.Tensor:  # [T, H] fp32: the expert sum before any rounding (fused path)
+    def forward_unsummed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                         ) -> torch.Tensor:  # [T, K, H] fp32 weighted expert rows: the fused tail sums them
         return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights,
-                         self.intermediate_size, self.block_m, out_dtype=torch.float32)
+                         self.intermediate_size, self.block_m, summed=False)
