@@ -153,8 +153,7 @@ def fused_configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int,
     out.append(("fused router E128 K8", fm.router_kernel, moe, dict(E=128, K=8, BLOCK_H=64), 4, 1))
     out.append(("fused gelu_mul", fm.gelu_mul_kernel, moe, dict(BLOCK=1024), 4, 1))
     for tk in (8, 256, fm.ALIGN_MAX_ASSIGNMENTS):
-        nb = tk // 16 + min(128, tk) + 1
-        c = dict(E=128, BLOCK_M=16, BLOCK_TK=max(16, tk), BLOCK_NB=triton.next_power_of_2(nb))
+        c = dict(E=128, BLOCK_M=16, BLOCK_TK=max(16, tk), BLOCK_NB=16)
         out.append((f"fused moe_align TK{tk}", fm.moe_align_kernel, dict(moe, ids_ptr="*i64"), c, 4, 1))
     out.append(("split-K sum", triton_q4._split_sum_kernel, dict(part_ptr="*fp32", y_ptr="*bf16"),
                 dict(BLOCK=1024), 4, 1))
@@ -178,6 +177,18 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
         os.unlink(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", r.stdout)
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def required(name: str) -> bool:
+    """Configurations that must compile without spills and within shared memory: everything the
+    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV, Q4_0/Q8_0/float weights, the fused
+    kernels). fp32 KV attention and the other block types' kernels are reported (WARN) only."""
+    if "kv fp32" in name:
+        return False
+    first = name.split()[0]
+    if first in ("attn", "moe", "fused", "split-K"):
+        return not name.startswith("moe ") or any(f" {q} " in name for q in ("q4_0", "q8_0", "bf16"))
+    return first in ("q4_0", "q8_0")
 
 
 def runtime_attrs(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> dict[tuple[int], list]:
@@ -225,11 +236,12 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
         regs, stack = _resource_usage(k.asm["cubin"])
         over, spills = shared > limit, bool(stack)
         bad = over or spills
-        failed += bad
+        warn = bad and not required(name)
+        failed += bad and not warn
         note = ("  (over the shared-memory limit)" if over else "") + ("  (spills)" if spills else "")
         print(
-            f"{'FAIL' if bad else 'ok  '} sm_{arch} {name:38s} shared {shared:>6d} B  regs {regs}  "
-            f"stack {stack} B{note}  [{time.monotonic() - t0:.1f}s]",
+            f"{'WARN' if warn else 'FAIL' if bad else 'ok  '} sm_{arch} {name:38s} shared {shared:>6d} B  "
+            f"regs {regs}  stack {stack} B{note}  [{time.monotonic() - t0:.1f}s]",
             flush=True,
         )
     return failed

@@ -79,9 +79,10 @@ def moe_align_kernel(ids_ptr, sorted_ptr, block_e_ptr, TK, NB, E: tl.constexpr, 
         tl.store(sorted_ptr + r, tl.full([BLOCK_TK], 0, tl.int32) + TK, mask=r < NB * BLOCK_M)
     tl.debug_barrier()
     tl.store(sorted_ptr + dest, sa, mask=valid)
-    b = tl.arange(0, BLOCK_NB)
-    before = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # [BNB]
-    tl.store(block_e_ptr + b, tl.where(before < E, before, -1), mask=b < NB)
+    for b0 in range(0, NB, BLOCK_NB):  # BLOCK_NB blocks at a time: a [BLOCK_NB, E] compare stays small
+        b = b0 + tl.arange(0, BLOCK_NB)
+        before = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # [BNB]
+        tl.store(block_e_ptr + b, tl.where(before < E, before, -1), mask=b < NB)
 
 
 def align_on_device(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int
@@ -95,6 +96,5 @@ def align_on_device(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_e = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
     moe_align_kernel[(1,)](flat, sorted_ids, block_e, tk, num_blocks, E=num_experts, BLOCK_M=block_m,
-                           BLOCK_TK=max(16, triton.next_power_of_2(tk)),
-                           BLOCK_NB=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
+                           BLOCK_TK=max(16, triton.next_power_of_2(tk)), BLOCK_NB=16, num_warps=4)
     return sorted_ids, block_e
