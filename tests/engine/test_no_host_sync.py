@@ -3,8 +3,9 @@
 Tensor.item / tolist / cpu / numpy and the Python conversions (bool, int, float, index) are patched
 to raise when called from swaserve's own code (Triton's interpreter copies tensors to the host
 internally; those calls come from triton's files and are allowed). The step runs the GPU backends
-(triton attention + triton MoE, in the interpreter here) on the tiny model, prefill and decode, and
-its tokens must equal the torch backends' run.
+(triton attention + triton MoE, in the interpreter here) on the tiny model, prefill and decode, on
+the model's reference path and on the fused path (engine/fused, what CUDA runs), and its tokens must
+equal the torch backends' run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import swaserve
+from swaserve.engine.fused.ops import device_kernels
 from swaserve.llm import LLM, SamplingParams
 
 PKG = os.path.dirname(os.path.abspath(swaserve.__file__))
@@ -86,13 +88,15 @@ def _guard_device_part(llm: LLM) -> list[int]:
 
 
 @pytest.mark.slow
-def test_step_has_no_host_sync():
+@pytest.mark.parametrize("fused", [False, True], ids=["reference-path", "fused-path"])
+def test_step_has_no_host_sync(fused: bool):
     prompts = [[2, 5, 9, 13, 40, 41, 7], [2] + list(range(10, 80))]  # 71 tokens > the tiny window (64)
     params = SamplingParams(max_tokens=3, temperature=0.0)
     ref = LLM(attention_backend="torch", moe_backend="torch", chunked_prefill_size=48)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     llm = LLM(attention_backend="triton", moe_backend="triton", chunked_prefill_size=48)
     calls = _guard_device_part(llm)
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    with device_kernels() if fused else contextlib.nullcontext():  # fused: what CUDA runs (engine/fused)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls[0] >= 4  # prefill chunks and decode steps all ran guarded
     assert got == want
