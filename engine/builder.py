@@ -25,6 +25,7 @@ from swaserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from swaserve.engine.kvcache import NaiveCache, PageAllocator, PrefixCache, SWARadixCache
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.peak_step import reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -134,6 +135,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     template_source = bundle.metadata.get("tokenizer.chat_template")
     chat_template = ChatTemplate(template_source, tokenizer) if template_source else None
     context = sched_cfg.context_length or model_cfg.context_length
+    reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
     plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
     capacity = plan.full_pages * cache_cfg.page_size
     if context > capacity:
