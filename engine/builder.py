@@ -28,6 +28,7 @@ from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, Mode
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.peak_step import reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -160,6 +161,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     template_source = bundle.metadata.get("tokenizer.chat_template")
     chat_template = ChatTemplate(template_source, tokenizer) if template_source else None
     context = sched_cfg.context_length or model_cfg.context_length
+    reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
     plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
     P = cache_cfg.page_size
     capacity = (plan.num_blocks - _cdiv(model_cfg.sliding_window, P) - 2) * plan.full_per_block * P

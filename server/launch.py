@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -53,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on the API routes")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
+    g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the cache inspector page at / (chat + cache view; default: on when --host is "
+                        "a loopback address, off otherwise)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine on a thread of the server's process instead of its own process "
@@ -124,6 +128,15 @@ def _chat_template(path: str | None) -> str | None:
     return source
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
@@ -135,7 +148,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_key=args.api_key, enable_cache_report=args.enable_cache_report,
                         strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
                         chat_template=_chat_template(args.chat_template),
-                        allowed_origins=_origins(args.allowed_origins))
+                        allowed_origins=_origins(args.allowed_origins),
+                        ui=args.ui if getattr(args, "ui", None) is not None else is_loopback(args.host))
 
 
 def build_engine_core(cfg: EngineConfig) -> Engine:

@@ -35,6 +35,7 @@ class ServerConfig:
     default_sampling: tuple[tuple[str, float], ...] = ()  # --default-sampling (over the GGUF's defaults)
     chat_template: str | None = None  # --chat-template: replaces (or supplies) the GGUF's template
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers
+    ui: bool = False  # --ui: the inspector page at GET / (server/routes_ui.py)
 
 
 class ServerState:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swaserve.engine.core import Req
-from swaserve.engine.kvcache import Arena, ArenaPages, PagePool, PrefixCache
+from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -32,12 +32,15 @@ class KVManager:
         # the arena both kinds are carved from (None: two separate pools)
         self.arena: Arena | None = full_alloc.arena if isinstance(full_alloc, ArenaPages) else None
         assert self.arena is None or (isinstance(swa_alloc, ArenaPages) and swa_alloc.arena is self.arena)
+        self.on_admit: Callable[[Req, Match], None] | None = None  # sees each match before anything evicts
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
         """Match the request's tokens against the cache and lock the hit; returns the reused length."""
         assert req.handle is None and not req.full_pages
         m = self.cache.match(req.token_ids)
+        if self.on_admit is not None:
+            self.on_admit(req, m)
         self.cache.lock(m.handle)
         req.handle = m.handle
         req.num_computed = req.tree_len = m.reused_len
