@@ -82,7 +82,7 @@ def test_config_from_kwargs() -> None:
 
 def test_backend_registries() -> None:
     assert ATTENTION_BACKENDS.choices == ("auto", "torch", "triton")
-    assert MOE_BACKENDS.choices == ("auto", "torch", "triton", "offload")
+    assert MOE_BACKENDS.choices == ("auto", "torch", "cpu", "triton", "offload")
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cpu")) == "torch"
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cuda")) == "triton"
     assert MOE_BACKENDS.resolve("auto", [], torch.device("cpu")) == "torch"
