@@ -118,6 +118,8 @@ static void tile_r1_m##MT(const uint8_t* grp, int64_t nb, int r, const Rows* row
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();                                        \
     for (int64_t b = 0; b < nb; ++b) {                                                                 \
         const uint8_t* blk = grp + b * GBYTES;                                                         \
+        if (r == 0) _mm_prefetch((const char*)(blk + 4 * GBYTES), _MM_HINT_T0);                        \
+        if (r == 0) _mm_prefetch((const char*)(blk + 4 * GBYTES + 64), _MM_HINT_T0);                   \
         float dw = _cvtsh_ss(((const uint16_t*)blk)[r]);                                               \
         __m256i w = unpack_q4(blk + 8 + 16 * r);                                                       \
         __m256i aw = _mm256_sign_epi8(w, w);                                                           \
