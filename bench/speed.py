@@ -113,8 +113,8 @@ def run_speed(args: argparse.Namespace) -> int:
     if args.peer:
         why = peer_available(args.peer_python)
         if why:
-            print(f"[speed] llama.cpp skipped: {args.peer_python} cannot import llama_cpp ({why}); "
-                  "install the extra: pip install 'swaserve[peer]' --no-binary llama-cpp-python", file=sys.stderr)
+            print(f"[speed] llama.cpp skipped: {args.peer_python} cannot import llama_cpp ({why}); install "
+                  "the extra: pip install 'swaserve[peer]' --no-binary llama-cpp-python", file=sys.stderr)
         else:
             got = _run("llama.cpp", [args.peer_python, str(_PEER_SCRIPT), *_common(args)], args.timeout)
             if got is not None:
@@ -127,8 +127,9 @@ def run_speed(args: argparse.Namespace) -> int:
     if not results:
         print("error: no engine produced a result", file=sys.stderr)
         return 1
-    print(f"\n{Path(args.gguf).name}, {args.threads} threads, {args.prompt_len}-token prompt, {args.gen} tokens; "
-          f"streams: {args.stream_prompt_len}-token prompts, {args.stream_gen} tokens each\n")
+    print(f"\n{Path(args.gguf).name}, {args.threads} threads, {args.prompt_len}-token prompt, "
+          f"{args.gen} tokens; streams: {args.stream_prompt_len}-token prompts, "
+          f"{args.stream_gen} tokens each\n")
     print(format_table(results, streams))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -68,7 +68,8 @@ class Peer:
 
     def _argmax(self, i: int) -> int:
         ptr = self.lc.llama_get_logits_ith(self.ctx, i)
-        row = self.np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab,))
+        floats = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))
+        row = self.np.ctypeslib.as_array(floats, shape=(self.vocab,))
         return int(row.argmax())
 
     def run(self, prompts: list[list[int]], gen: int) -> list[float]:

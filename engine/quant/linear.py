@@ -98,7 +98,8 @@ def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torc
 
 def native_ok(w: QWeight) -> bool:
     """Whether the native kernel computes this CPU weight (Q4_0, K a multiple of 32, kernels built)."""
-    return w.qtype == "Q4_0" and w.shape[-1] % WEIGHTS_PER_BLOCK == 0 and not w.data.is_cuda and native.available()
+    return (w.qtype == "Q4_0" and w.shape[-1] % WEIGHTS_PER_BLOCK == 0 and not w.data.is_cuda
+            and native.available())
 
 
 def interleaved(w: QWeight) -> torch.Tensor:
@@ -120,7 +121,8 @@ def prepare_native(weights: list[QWeight], progress: bool | None = None) -> None
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, unit="B", unit_scale=True, desc="repacking Q4_0 weights", disable=None if progress is None else not progress,
+    disable = None if progress is None else not progress  # None: a bar on a terminal only
+    with tqdm(total=total, unit="B", unit_scale=True, desc="repacking Q4_0 weights", disable=disable,
               leave=False) as bar:
         for w in todo:
             interleaved(w)

@@ -82,7 +82,8 @@ def _build() -> Path:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the native Q4_0 kernels (%s, once)", out.name)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # atomic: concurrent builders never see half a file
+    # built aside and renamed: concurrent builders never load half a file
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         res = subprocess.run([cc, *CFLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True,
                              text=True, timeout=300)
@@ -153,7 +154,8 @@ def repack(data: torch.Tensor, n: int, k: int, threads: int | None = None) -> to
     out = torch.empty(*lead, size, dtype=torch.uint8)
     src_stride = n * (k // 32) * 18
     for i in range(count):
-        lib.swa_q4_repack(data.data_ptr() + i * src_stride, n, k, out.data_ptr() + i * size, _threads(threads))
+        lib.swa_q4_repack(data.data_ptr() + i * src_stride, n, k, out.data_ptr() + i * size,
+                          _threads(threads))
     return out
 
 
@@ -211,5 +213,6 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, 
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
         _lib_or_raise().swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,
-                                   ids.data_ptr(), w.data_ptr(), ids.shape[1], out.data_ptr(), _threads(threads))
+                                   ids.data_ptr(), w.data_ptr(), ids.shape[1], out.data_ptr(),
+                                   _threads(threads))
     return out

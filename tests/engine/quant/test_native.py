@@ -64,7 +64,7 @@ def test_q8_quant_matches_ggml_recipe() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize(("n", "k"), [(7, 64), (64, 96), (130, 256), (256, 2816)])
 def test_mm_matches_q8_reference(m: int, n: int, k: int) -> None:
-    """Against float64 dequant(W) @ dequant(Q8_0(x)): equal up to fp32 accumulation (integer dots are exact)."""
+    """Against float64 dequant(W) @ dequant(Q8_0(x)): equal up to fp32 accumulation (integer dots exact)."""
     rng = np.random.default_rng(m * 7 + n)
     qw = _q4(rng, n, k)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
