@@ -38,6 +38,8 @@ class Peer:
         import numpy as np
 
         self.lc, self.np = lc, np
+        self._quiet = lc.llama_log_callback(lambda level, text, data: None)  # kept alive: llama.cpp holds it
+        lc.llama_log_set(self._quiet, ctypes.c_void_p())
         lc.llama_backend_init()
         t0 = time.perf_counter()
         mp = lc.llama_model_default_params()
