@@ -9,6 +9,8 @@ decoding with EOS ignored, and the same thread count:
   decode tok/s @ B   B streams decoding together (B = 1 and --streams): aggregate tokens/s after every
                      stream has its first token
   RSS MB             resident memory of the engine process at the end
+Beside each wall time, the same measure in process CPU seconds (all threads): on a shared machine the
+wall times mostly measure the neighbours; with --threads 1 the CPU numbers are the cost of the work.
 The peer is llama-cpp-python (optional extra `peer`; run with `--peer`, and `--peer-python` when it lives
 in another environment): one llama_context with unified KV decodes all streams in one llama_decode per
 step, as llama-server --parallel does. Ratios are swaserve / llama.cpp (tok/s: higher is better;
@@ -27,7 +29,11 @@ from pathlib import Path
 _PEER_SCRIPT = Path(__file__).with_name("speed_peer.py")
 _ROWS = [("load_s", "load s", "{:.1f}"), ("ttft_first_s", "first-request TTFT s", "{:.2f}"),
          ("ttft_warm_s", "warm TTFT s", "{:.2f}"), ("prefill_tps", "prefill tok/s", "{:.1f}"),
-         ("decode_tps_1", "decode tok/s, 1 stream", "{:.2f}")]
+         ("decode_tps_1", "decode tok/s, 1 stream", "{:.2f}"),
+         ("ttft_first_cpu_s", "first-request TTFT, CPU s", "{:.2f}"),
+         ("ttft_warm_cpu_s", "warm TTFT, CPU s", "{:.2f}"),
+         ("prefill_tps_cpu", "prefill tok per CPU-s", "{:.1f}"),
+         ("decode_tps_1_cpu", "decode tok per CPU-s, 1 stream", "{:.2f}")]
 
 
 def add_speed_args(p: argparse.ArgumentParser) -> None:
@@ -85,8 +91,11 @@ def format_table(results: dict[str, dict], streams: list[int]) -> str:
     """Markdown: one row per measure, one column per engine, then swaserve / llama.cpp ratios."""
     names = list(results)
     peer = "llama.cpp" if "llama.cpp" in results else None
-    rows = list(_ROWS) + [(f"decode_tps_{b}", f"decode tok/s, {b} streams (aggregate)", "{:.2f}")
-                          for b in streams] + [("rss_mb", "RSS MB at the end", "{:.0f}")]
+    rows = list(_ROWS)
+    for b in streams:
+        rows += [(f"decode_tps_{b}", f"decode tok/s, {b} streams (aggregate)", "{:.2f}"),
+                 (f"decode_tps_{b}_cpu", f"decode tok per CPU-s, {b} streams", "{:.2f}")]
+    rows.append(("rss_mb", "RSS MB at the end", "{:.0f}"))
     ours = [n for n in names if n != peer]
     head = ["", *names] + ([f"{n} / llama.cpp" for n in ours] if peer else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

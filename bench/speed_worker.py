@@ -35,15 +35,17 @@ class Swa:
         for ids in prompts:
             self._count += 1
             self.engine.add_request(f"speed-{self._count}", ids, sp, ())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         started: set[str] = set()
         times: list[float] = []
+        self.cpu_times: list[float] = []
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.token_ids:
                     started.add(out.request_id)
             if len(started) == len(prompts):
                 times.append(time.perf_counter() - t0)
+                self.cpu_times.append(time.process_time() - c0)
         return times
 
 
