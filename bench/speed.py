@@ -95,7 +95,7 @@ def format_table(results: dict[str, dict], streams: list[int]) -> str:
     for b in streams:
         rows += [(f"decode_tps_{b}", f"decode tok/s, {b} streams (aggregate)", "{:.2f}"),
                  (f"decode_tps_{b}_cpu", f"decode tok per CPU-s, {b} streams", "{:.2f}")]
-    rows.append(("rss_mb", "RSS MB at the end", "{:.0f}"))
+    rows += [("rss_mb", "RSS MB at the end", "{:.0f}"), ("kv_pool_mb", "KV pools MB (swaserve)", "{:.0f}")]
     ours = [n for n in names if n != peer]
     head = ["", *names] + ([f"{n} / llama.cpp" for n in ours] if peer else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

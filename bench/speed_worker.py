@@ -56,7 +56,10 @@ def main() -> None:
     args = parse_common(rest)
     args.cpu_matmul = known.cpu_matmul
     streams = [int(s) for s in args.streams.split(",") if s]
-    print("RESULT " + json.dumps(measure(Swa(args, max([1, *streams])), args)), flush=True)
+    engine = Swa(args, max([1, *streams]))
+    res = measure(engine, args)
+    res["kv_pool_mb"] = engine.engine.pool.nbytes() / 2**20  # allocated at start (zeros: touched lazily)
+    print("RESULT " + json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":
