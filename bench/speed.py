@@ -50,6 +50,9 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-prompt-len", type=int, default=32, help="prompt tokens per concurrent stream")
     p.add_argument("--stream-gen", type=int, default=16, help="generated tokens per concurrent stream")
     p.add_argument("--reps", type=int, default=1, help="warm 1-stream repetitions (best is kept)")
+    p.add_argument("--kv-gb", type=float, default=1.0,
+                   help="swaserve's KV pools in GB (default 1: the runs need little; the engine's own "
+                        "default takes a share of free memory)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine before it is stopped")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -57,7 +60,8 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
 def _common(args: argparse.Namespace) -> list[str]:
     return ["--gguf", args.gguf, "--threads", str(args.threads), "--prompt-len", str(args.prompt_len),
             "--gen", str(args.gen), "--streams", args.streams, "--stream-prompt-len",
-            str(args.stream_prompt_len), "--stream-gen", str(args.stream_gen), "--reps", str(args.reps)]
+            str(args.stream_prompt_len), "--stream-gen", str(args.stream_gen), "--reps", str(args.reps),
+            "--kv-gb", str(args.kv_gb)]
 
 
 def _run(name: str, cmd: list[str], timeout: float) -> dict | None:
