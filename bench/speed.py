@@ -50,9 +50,9 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-prompt-len", type=int, default=32, help="prompt tokens per concurrent stream")
     p.add_argument("--stream-gen", type=int, default=16, help="generated tokens per concurrent stream")
     p.add_argument("--reps", type=int, default=1, help="warm 1-stream repetitions (best is kept)")
-    p.add_argument("--kv-gb", type=float, default=1.0,
-                   help="swaserve's KV pools in GB (default 1: the runs need little; the engine's own "
-                        "default takes a share of free memory)")
+    p.add_argument("--kv-gb", type=float, default=4.0,
+                   help="swaserve's KV pools in GB (default 4: enough for 8 streams of 26b-a4b, 32 of small; "
+                        "the engine's own default, a share of free memory, does not leave room for a peer)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine before it is stopped")
     p.add_argument("--json", default=None, help="also write the results to this file")
 

@@ -30,7 +30,7 @@ def test_speed_runs_swaserve_on_the_demo_model(capsys, tmp_path) -> None:
     out_json = tmp_path / "speed.json"
     args = _args("--gguf", str(demo_model_path()), "--threads", "1", "--prompt-len", "12", "--gen", "4",
                  "--streams", "3", "--stream-prompt-len", "6", "--stream-gen", "3", "--timeout", "600",
-                 "--json", str(out_json), "--peer", "--peer-python", "/nonexistent/python")
+                 "--json", str(out_json), "--peer", "--peer-python", "/nonexistent/python", "--kv-gb", "0.05")
     assert run_speed(args) == 0
     out = capsys.readouterr()
     assert "llama.cpp skipped" in out.err  # the peer is optional: a clear line, then swaserve alone
