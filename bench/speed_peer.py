@@ -135,6 +135,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-gen", type=int, required=True)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--kv-gb", type=float, default=4.0)  # swaserve's KV pools (llama.cpp sizes its own)
+    p.add_argument("--kv-dtype", default="auto")  # swaserve's KV dtype (llama.cpp: f16)
     return p.parse_args(argv)
 
 

@@ -23,8 +23,8 @@ class Swa:
         chunk = max(512, args.prompt_len, n_seq * args.stream_prompt_len)  # a step prefills every stream
         t0 = time.perf_counter()
         self.llm = LLM(args.gguf, progress=True, cpu_threads=args.threads, cpu_matmul=args.cpu_matmul,
-                       max_running_requests=max(8, n_seq), chunked_prefill_size=chunk, device="cpu",
-                       kv_cache_memory_gb=args.kv_gb)
+                       max_running_requests=n_seq, chunked_prefill_size=chunk, device="cpu",
+                       kv_cache_memory_gb=args.kv_gb, kv_cache_dtype=args.kv_dtype)
         self.load_s = time.perf_counter() - t0
         self.engine = self.llm.engine
         self.vocab = self.engine.model_config.vocab_size
