@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     from swaserve.bench.serve_bench import add_bench_args
 
     add_bench_args(bsub.add_parser("serve", help="serving benchmark over HTTP"))
+    from swaserve.bench.speed import add_speed_args
+
+    add_speed_args(bsub.add_parser("speed", help="CPU engine speed, beside llama.cpp with --peer"))
     return p
 
 
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             from swaserve.models.tiny import run_make_model
 
             return run_make_model(args)
+        if args.command == "bench" and args.bench_command == "speed":
+            from swaserve.bench.speed import run_speed
+
+            return run_speed(args)
         if args.command == "bench":
             from swaserve.bench.serve_bench import run_bench
 

@@ -65,7 +65,7 @@ class ModelConfig:
 
 KVDtype = Literal["auto", "bf16", "fp16", "fp32"]
 SIZING_RATIO = 0.25  # SWA tokens per full token when sizing the default or a --max-total-tokens arena
-CpuMatmul = Literal["exact", "fast"]  # see EngineConfig.cpu_matmul
+CpuMatmul = Literal["native", "exact", "fast"]  # see EngineConfig.cpu_matmul
 
 
 def option(default: Any = MISSING, flag: str | None = None, *, help: str | None = None,
@@ -151,13 +151,15 @@ class EngineConfig:
         None, "--cpu-threads", min=1,
         help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
              "to the HTTP server)")
-    # CPU Q4_0 linears with fp32 activations: "exact" (dequantize + fp32 matmul) or "fast" (torch's
-    # bf16 int4 kernel, bf16 accuracy); bf16 activations always take the int4 kernel. The model and
-    # the MoE backend get it at construction (models/registry.py) and pass it to each linear.
+    # CPU Q4_0 linears with fp32 activations: "native" (the Q4_0 x Q8_0 integer kernel of
+    # engine/quant/native.py, llama.cpp's numerics; weights repacked at load; exact when the kernel cannot
+    # be built), "exact" (dequantize + fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
+    # bf16 activations always take the int4 kernel. The model and the MoE backend get it at
+    # construction (models/registry.py) and pass it to each linear.
     cpu_matmul: CpuMatmul = option(
-        "exact", "--cpu-matmul",
-        help="CPU Q4_0 linears of fp32 activations: exact (default) or fast (bf16 int4 kernel, "
-             "bf16 accuracy)")
+        "native", "--cpu-matmul",
+        help="CPU Q4_0 linears of fp32 activations: native (default: Q4_0 x Q8_0 integer kernel, "
+             "llama.cpp's numerics), exact (dequantize + fp32 matmul) or fast (bf16 int4 kernel)")
     # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
     # read when the config (or the flag parser) is built
     debug_checks: bool = option(

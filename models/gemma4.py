@@ -23,7 +23,7 @@ from swaserve.engine.fused.ops import use_device_kernels
 from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight
-from swaserve.engine.quant.linear import embedding, linear
+from swaserve.engine.quant.linear import embedding, linear, prepare_native
 from swaserve.models.weights import Gemma4Weights, LayerWeights
 
 
@@ -121,6 +121,9 @@ class Gemma4Model:
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.router_input_scale = cfg.hidden_size ** -0.5
         self._is_sliding = [t == "sliding" for t in cfg.layer_types]  # per layer
+        if self.device.type == "cpu" and cpu_matmul == "native":  # repack once at load, not on first use
+            prepare_native([self.embed, *(w for lw in self.layers for w in vars(lw).values()
+                                          if isinstance(w, QWeight))])
         self.ropes = {
             "sliding": _Rope(cfg.rope_theta_swa, cfg.rope_dims_swa, cfg.rope_dims_swa // 2,
                              cfg.rope_dims_swa // 2, self.device),

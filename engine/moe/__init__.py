@@ -1,7 +1,9 @@
-"""MoE backends by name, imported lazily: torch (reference, CPU), triton (fused Q4_0), offload.
+"""MoE backends by name, imported lazily: torch (reference, CPU), cpu (native Q4_0 kernel, experts in
+host memory), triton (fused Q4_0), offload.
 
-`MOE_BACKENDS.choices` is what `--moe-backend` accepts; `auto` = torch on CPU; on CUDA triton when
-the experts fit the GPU, else offload (experts stay in host memory).
+`MOE_BACKENDS.choices` is what `--moe-backend` accepts; `auto` = cpu on a CPU device when the experts
+are Q4_0, cpu_matmul is "native" and the native kernel is built, else torch; on CUDA triton when the
+experts fit the GPU, else offload (experts stay in host memory).
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _auto(experts: list[ExpertWeights], device: torch.device) -> str:
+def _auto(experts: list[ExpertWeights], device: torch.device, cpu_matmul: CpuMatmul = "exact") -> str:
     if device.type != "cuda":
-        return "torch"
+        if cpu_matmul != "native":
+            return "torch"
+        from swaserve.engine.moe.cpu_backend import supports
+
+        return "cpu" if supports(experts) else "torch"
     try:
         import swaserve.engine.moe.triton_backend  # noqa: F401
         from swaserve.engine.moe.offload_backend import experts_fit
@@ -34,6 +40,7 @@ def _auto(experts: list[ExpertWeights], device: torch.device) -> str:
 
 MOE_BACKENDS: Registry[MoEBackend] = Registry("MoE", _auto)
 MOE_BACKENDS.register("torch", "swaserve.engine.moe.torch_backend:TorchMoE")
+MOE_BACKENDS.register("cpu", "swaserve.engine.moe.cpu_backend:CpuMoE")
 MOE_BACKENDS.register("triton", "swaserve.engine.moe.triton_backend:TritonMoE")
 MOE_BACKENDS.register("offload", "swaserve.engine.moe.offload_backend:OffloadMoE")
 
@@ -45,5 +52,5 @@ def get_moe_backend(name: str, cfg: ModelConfig, experts: list[ExpertWeights], d
     import torch
 
     device = torch.device(device)
-    cls = MOE_BACKENDS.load(MOE_BACKENDS.resolve(name, experts, device))
+    cls = MOE_BACKENDS.load(MOE_BACKENDS.resolve(name, experts, device, cpu_matmul))
     return cls.create(cfg, experts, device, cache_size=cache_size, cpu_matmul=cpu_matmul)

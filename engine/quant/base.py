@@ -25,6 +25,10 @@ class QWeightCache:
     # CPU exact path, Q4_0/Q8_0: (int8 codes [N, K / 32, 32], fp32 block scales [N, K / 32, 1]), weight =
     # codes * scales; filled by the first exact linear on the weight
     codes: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CPU native path (cpu_matmul="native"), Q4_0: the row-interleaved form of engine/quant/native_q4.c,
+    # uint8 [packed bytes] (or [E, packed bytes] for a stacked weight); built at load by
+    # engine.quant.linear.prepare_native (lazily for a weight it did not see)
+    interleaved: torch.Tensor | None = None
     # CUDA without the Triton kernels: the dequantized weight [N, K] in the last input dtype
     dequantized: torch.Tensor | None = None
     # Triton kernels: (the `data` they were made from, bytes, fp16 view of the same memory); rebuilt

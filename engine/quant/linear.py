@@ -13,6 +13,11 @@ CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
   `linear(..., cpu_matmul="fast")` sends fp32 inputs through the bf16 kernel too: the caller passes
   EngineConfig.cpu_matmul (`--cpu-matmul`), which the model and the MoE backends keep from their
   construction, so the choice is per engine rather than a process-wide switch.
+`cpu_matmul="native"` (the CPU default, EngineConfig.cpu_matmul): Q4_0 weights with fp32 inputs go
+through the native Q4_0 x Q8_0 kernel (engine/quant/native.py: activations quantized per 32-block to 8
+bits, integer dots; llama.cpp's numerics) on the weight's interleaved form, which `prepare_native`
+builds once at load (lossless, same bytes as the file; the file pages are released). Without the
+kernel (no compiler, no AVX2) native means exact.
 Caches are built lazily per weight on first use (never for the whole model at load) and live in
 the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
 memory (madvise).
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from swaserve.engine.quant import native
 from swaserve.engine.quant.base import WEIGHTS_PER_BLOCK, QWeight
 from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,
@@ -81,11 +87,47 @@ def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torc
     x2 = x.reshape(-1, k)  # [M, K]
     if x2.is_cuda:
         y = _cuda_linear(x2, w)
+    elif cpu_matmul == "native" and native_ok(w) and x2.dtype == torch.float32:
+        y = native.mm(x2, interleaved(w), n)
     elif w.qtype == "Q4_0" and n % 16 == 0 and (x2.dtype == torch.bfloat16 or cpu_matmul == "fast"):
         y = _int4_linear(x2.to(torch.bfloat16), w).to(x.dtype)
     else:
         y = _chunked_linear(x2, w)
     return y.reshape(*lead, n)
+
+
+def native_ok(w: QWeight) -> bool:
+    """Whether the native kernel computes this CPU weight (Q4_0, K a multiple of 32, kernels built)."""
+    return (w.qtype == "Q4_0" and w.shape[-1] % WEIGHTS_PER_BLOCK == 0 and not w.data.is_cuda
+            and native.available())
+
+
+def interleaved(w: QWeight) -> torch.Tensor:
+    """The cached interleaved form of a Q4_0 weight [..., N, K] (built now if `prepare_native` did not)."""
+    form = w.cache.interleaved
+    if form is None:
+        n, k = w.shape[-2:]
+        form = w.cache.interleaved = native.repack(w.data.contiguous(), n, k)
+        _release(w)
+    return form
+
+
+def prepare_native(weights: list[QWeight], progress: bool | None = None) -> None:
+    """Build the interleaved form of every weight the native kernel computes, once, at load: a progress
+    bar over the bytes; each weight's file pages are released after its copy (resident ~1.0x file)."""
+    todo = [w for w in weights if native_ok(w) and w.cache.interleaved is None]
+    total = sum(w.data.numel() for w in todo)
+    if not todo:
+        return
+    from tqdm import tqdm
+
+    disable = None if progress is None else not progress  # None: a bar on a terminal only
+    with tqdm(total=total, unit="B", unit_scale=True, desc="repacking Q4_0 weights", disable=disable,
+              leave=False) as bar:
+        for w in todo:
+            interleaved(w)
+            bar.update(w.data.numel())
+    log.info("native Q4_0 kernels: %d weights repacked (%.2f GB)", len(todo), total / 1e9)
 
 
 def _int4_pack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +222,8 @@ def _cuda_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
     """Rows `ids` [T] of a 2-D weight [V, H] as fp32 [T, H] (dequantizes only those rows)."""
     assert len(w.shape) == 2, w.shape
+    if w.cache.interleaved is not None and not ids.is_cuda:  # the file pages were released: read the copy
+        return native.rows(w.cache.interleaved, w.shape[0], w.shape[1], ids)
     if w.qtype in FLOAT_TYPES:
         return w.data.index_select(0, ids.to(w.data.device)).to(torch.float32)
     return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))

@@ -63,7 +63,7 @@ def test_numeric_and_new_flags(monkeypatch) -> None:
                                          "--page-size", "4", "--cpu-matmul", "fast", "--debug-checks"))
     assert cfg.cache.full_tokens == 1000 and cfg.cache.swa_tokens == 500 and cfg.cache.page_size == 4
     assert cfg.cpu_matmul == "fast" and cfg.debug_checks
-    assert engine_config_from_args(_parse()).cpu_matmul == "exact"
+    assert engine_config_from_args(_parse()).cpu_matmul == "native"
     monkeypatch.setenv("SWASERVE_DEBUG", "1")
     assert engine_config_from_args(_parse()).debug_checks and EngineConfig().debug_checks
     monkeypatch.setenv("SWASERVE_DEBUG", "0")
@@ -82,7 +82,7 @@ def test_config_from_kwargs() -> None:
 
 def test_backend_registries() -> None:
     assert ATTENTION_BACKENDS.choices == ("auto", "torch", "triton")
-    assert MOE_BACKENDS.choices == ("auto", "torch", "triton", "offload")
+    assert MOE_BACKENDS.choices == ("auto", "torch", "cpu", "triton", "offload")
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cpu")) == "torch"
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cuda")) == "triton"
     assert MOE_BACKENDS.resolve("auto", [], torch.device("cpu")) == "torch"

@@ -1,0 +1,218 @@
+"""The native Q4_0 x Q8_0 CPU kernels (native_q4.c): built on first use, called through ctypes.
+
+Why plain C + ctypes (not torch's cpp_extension): the C file compiles with gcc in ~1-2 s (a torch
+extension needs the torch headers: 1-9 minutes on the 2-core build machine), has no ABI tie to the
+torch version, and ctypes releases the GIL for the whole call, so the server's threads run while a
+kernel does. The shared library is cached under $SWASERVE_CACHE (default ~/.cache/swaserve)/native,
+keyed by a hash of the source and the compiler flags; a fresh clone needs no build step.
+
+`available()` is False (with one warning line saying why) when there is no compiler, the CPU lacks
+AVX2/FMA/F16C, or the build fails: the callers then keep the exact path.
+
+Tensors passed in are CPU, contiguous; shapes are in each wrapper's docstring. The interleaved weight
+form is described in native_q4.c (rows in groups of 4, same bytes as the GGUF rows, reordered).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_q4.c")
+ABI = 3  # swa_q4_abi() of the source this wrapper was written for
+CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
+ROWS = 4  # weight rows per interleaved group
+_GROUP_BLOCK_BYTES = 72  # one 32-block of each of the 4 rows: 4 fp16 scales + 4 x 16 nibble bytes
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES = {
+    "swa_q4_abi": ([], ctypes.c_int),
+    "swa_q4_packed_bytes": ([_I, _I], ctypes.c_int64),
+    "swa_q4_repack": ([_P, _I, _I, _P, ctypes.c_int], None),
+    "swa_q4_unpack": ([_P, _I, _I, _P], None),
+    "swa_q4_rows": ([_P, _I, _I, _P, _I, _P], None),
+    "swa_q8_quant": ([_P, _I, _I, _P, _P, ctypes.c_int], None),
+    "swa_q4_mm": ([_P, _I, _I, _P, _I, _P, ctypes.c_int], None),
+    "swa_q4_moe": ([_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_int], None),
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SWASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "swaserve")
+    return Path(root) / "native"
+
+
+def _cpu_ok() -> str:
+    """'' when the CPU has the instructions the kernels use, else the reason."""
+    if sys.platform != "linux":
+        return f"platform {sys.platform} (the native kernels are built for Linux)"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cannot read /proc/cpuinfo"
+    missing = [f for f in ("avx2", "fma", "f16c") if f" {f}" not in flags]
+    return f"CPU lacks {', '.join(missing)}" if missing else ""
+
+
+def _build() -> Path:
+    """Compile native_q4.c into the cache (once per source + flags), return the library path."""
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"swaserve_q4_{key}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the native Q4_0 kernels (%s, once)", out.name)
+    # built aside and renamed: concurrent builders never load half a file
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        res = subprocess.run([cc, *CFLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True,
+                             text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'}")
+        os.replace(part, out)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None (logged once) when it cannot be had here."""
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    _tried = True
+    _why_not = _cpu_ok()
+    if not _why_not:
+        try:
+            # a shared 2-core box: OpenMP threads that spin at barriers while a neighbour holds the other
+            # core make every kernel wait for the descheduled thread; sleep instead (unless set by the user)
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            lib = ctypes.CDLL(str(_build()))
+            for name, (args, res) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, res
+            if lib.swa_q4_abi() != ABI:
+                raise RuntimeError(f"library ABI {lib.swa_q4_abi()} != {ABI}")
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _why_not = str(e)
+    if _lib is None:
+        log.warning("native Q4_0 kernels unavailable (%s); CPU Q4_0 linears use the exact path", _why_not)
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def why_unavailable() -> str:
+    load()
+    return _why_not
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native Q4_0 kernels unavailable: {_why_not}")
+    return lib
+
+
+def _threads(threads: int | None) -> int:
+    return threads if threads is not None else torch.get_num_threads()
+
+
+def packed_bytes(n: int, k: int) -> int:
+    """Bytes of the interleaved form of an [n, k] Q4_0 weight (== the GGUF bytes, rows padded to 4)."""
+    return (n + ROWS - 1) // ROWS * (k // 32) * _GROUP_BLOCK_BYTES
+
+
+def repack(data: torch.Tensor, n: int, k: int, threads: int | None = None) -> torch.Tensor:
+    """GGUF Q4_0 rows uint8 [n, k/32 * 18] (or a stack [E, n, ...]) -> interleaved uint8 [E?, packed]."""
+    lib = _lib_or_raise()
+    assert data.dtype == torch.uint8 and data.is_contiguous() and k % 32 == 0, (data.dtype, k)
+    lead = data.shape[:-2] if data.dim() == 3 else ()
+    count = data.shape[0] if lead else 1
+    size = packed_bytes(n, k)
+    out = torch.empty(*lead, size, dtype=torch.uint8)
+    src_stride = n * (k // 32) * 18
+    for i in range(count):
+        lib.swa_q4_repack(data.data_ptr() + i * src_stride, n, k, out.data_ptr() + i * size,
+                          _threads(threads))
+    return out
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `repack` for one weight: uint8 [n, k/32 * 18] in GGUF order."""
+    out = torch.empty(n, k // 32 * 18, dtype=torch.uint8)
+    _lib_or_raise().swa_q4_unpack(packed.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def rows(packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [R] of an interleaved [n, k] weight, dequantized exactly: fp32 [R, k]."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"row ids out of range [0, {n})")
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    _lib_or_raise().swa_q4_rows(packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    return out
+
+
+def q8_quant(x: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [M, K] -> (int8 codes [M, K], fp32 scales [M, K/32]): ggml's Q8_0 (fp16-rounded scales)."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    _lib_or_raise().swa_q8_quant(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), _threads(threads))
+    return q, d
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None) -> torch.Tensor:
+    """x fp32 [M, K] @ W^T -> fp32 [M, n] for an interleaved [n, K] weight (x quantized to Q8_0 inside)."""
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    assert packed.numel() == packed_bytes(n, k), (packed.numel(), n, k)
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib_or_raise().swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), _threads(threads))
+    return y
+
+
+def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """Routed MoE of one layer in one call: x fp32 [T, H]; gate_up uint8 [E, packed(2I, H)], down uint8
+    [E, packed(H, I)] (interleaved, I = `inter`); topk_ids int64 [T, k], topk_weights fp32 [T, k]
+    -> fp32 [T, H] = sum_j w_j * down_e(gelu_tanh(gate_e x) * up_e x)."""
+    x = x.to(torch.float32).contiguous()
+    t, h = x.shape
+    e = gate_up.shape[0]
+    assert gate_up.shape[-1] == packed_bytes(2 * inter, h) and down.shape[-1] == packed_bytes(h, inter)
+    ids = topk_ids.to(torch.int64).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
+        raise IndexError(f"expert ids out of range [0, {e})")
+    out = torch.empty(t, h, dtype=torch.float32)
+    if t:
+        _lib_or_raise().swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,
+                                   ids.data_ptr(), w.data_ptr(), ids.shape[1], out.data_ptr(),
+                                   _threads(threads))
+    return out
