@@ -36,7 +36,7 @@ from typing import Any
 
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import EngineConfig, ModelConfig
-from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams
+from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput, SamplingParams
 from swaserve.engine.scheduler.requests import check_lengths
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -290,6 +290,8 @@ class EngineClient:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # this request failed alone (engine log: the traceback)
+                    raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
                 if item.finished:
                     done.add(item.index)
                 yield item

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from swaserve.server.errors import APIError
 from swaserve.server.metrics import Metrics
-from swaserve.server.params import merge_defaults
+from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
@@ -35,6 +35,7 @@ class ServerConfig:
     default_sampling: tuple[tuple[str, float], ...] = ()  # --default-sampling (over the GGUF's defaults)
     chat_template: str | None = None  # --chat-template: replaces (or supplies) the GGUF's template
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers
+    max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
 
 
 class ServerState:
