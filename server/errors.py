@@ -22,6 +22,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
