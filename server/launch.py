@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("swaserve.server")
 
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get after SIGTERM (server/shutdown.py)
+
 
 def _port(s: str) -> int:
     try:
@@ -65,6 +67,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
                                                   "as OpenAI)")
     g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--shutdown-timeout", type=bounded_number("--shutdown-timeout", float, min=0),
+                   default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM, seconds running requests get to finish before they end with a 503 "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 at once; exit code 0")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
@@ -214,7 +220,9 @@ def run_serve(args: argparse.Namespace) -> int:
     state = app.state.swa
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    from swaserve.server.shutdown import GracefulServer
+
+    server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/shutdown.py)
 
     def on_load_error(e: BaseException) -> None:
         server.should_exit = True
