@@ -212,9 +212,9 @@ class EngineClient:
                 break
             kind = msg[0]
             if kind == "step":
+                self._stats = msg[2]  # before the outputs: a caller resuming on its last output reads these
                 for out in msg[1]:
                     self._deliver(out.request_id, out)
-                self._stats = msg[2]
             elif kind == "rejected":
                 _, rid, message, param = msg
                 self._deliver(rid, RequestError(message, param))
