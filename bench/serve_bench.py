@@ -121,6 +121,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="FILE", help="write summaries and per-request records")
+    o.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG charts into DIR: TTFT by configuration, the divergence sweep, cached "
+                        "share over time (needs matplotlib: pip install 'swaserve[plot]')")
     o.add_argument("--log-level", default="warning")
 
 
@@ -169,7 +172,21 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--tokens-per-word must be positive, got {args.tokens_per_word}")
     if not 0.0 <= args.temperature <= 2.0:
         raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if getattr(args, "plot", None):
+        from swaserve.bench.serve_plot import check_matplotlib
+
+        check_matplotlib()
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            raise ValueError(f"--plot {args.plot}: exists and is not a directory")
     return names
+
+
+def _plots(args: argparse.Namespace, bench: BenchRunner) -> None:
+    if args.plot:
+        from swaserve.bench.serve_plot import write_plots
+
+        for path in write_plots(bench.runs, bench.divergence, args.plot):
+            print(f"wrote {path}", flush=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -181,6 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
         bench.run_against("server", args.url.rstrip("/"), None)
         if args.json:
             bench.dump(args.json, [])
+        _plots(args, bench)
         return 0 if all(r["summary"]["failed"] == 0 for r in bench.runs) else 1
     if (args.compare or args.interleave) and args.temperature != 0:
         raise ValueError("--compare checks outputs under greedy decoding: use --temperature 0")
@@ -220,6 +238,7 @@ def run_bench(args: argparse.Namespace) -> int:
     comps = bench.compare()
     if args.json:
         bench.dump(args.json, comps)
+    _plots(args, bench)
     if any(r["summary"]["failed"] for r in bench.runs):
         rc = 1
     return rc

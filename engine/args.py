@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swaserve.engine.attention import ATTENTION_BACKENDS
-from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, SchedulerConfig
 from swaserve.engine.moe import MOE_BACKENDS
 from swaserve.engine.registry import Registry
 
@@ -130,9 +130,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.model is not None and not os.path.isfile(args.model):
         raise ValueError(f"--model {args.model}: no such file")
     values = {fl.field.name: getattr(args, fl.dest) for _, owner in _GROUPS for fl in _flags(owner)}
-    if values["full_tokens"] is not None:  # --max-total-tokens: the SWA pool follows the ratio
-        values["swa_tokens"] = max(values["page_size"],
-                                   int(values["full_tokens"] * values["swa_full_tokens_ratio"]))
+    if values["full_tokens"] is not None:  # --max-total-tokens: SWA tokens by the ratio (or a quarter)
+        ratio = values["swa_full_tokens_ratio"] or SIZING_RATIO
+        values["swa_tokens"] = max(values["page_size"], int(values["full_tokens"] * ratio))
     if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
     return _build(values.pop("model_path"), values)

@@ -24,6 +24,7 @@ from swaserve.engine.core import (
     SamplingParams,
 )
 from swaserve.engine.engine import Engine
+from swaserve.engine.kvcache.snapshot import SlicedCalls
 
 log = logging.getLogger("swaserve.engine")
 
@@ -42,6 +43,8 @@ class AsyncEngine:
         self._submit_q: queue.SimpleQueue[list[Req]] = queue.SimpleQueue()
         self._abort_q: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
+        self._state_q: queue.SimpleQueue[tuple[int, asyncio.Future]] = queue.SimpleQueue()
+        self._walks = SlicedCalls()  # cache_state walks, advanced between steps (0.25 ms budget a slice)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._step_lock = threading.Lock()  # held by the loop thread around each step
@@ -78,7 +81,11 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             self._drain()
+            if self._walks:
+                self._walks.advance()
             if not self.core.has_work():
+                if self._walks:
+                    continue
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -123,6 +130,12 @@ class AsyncEngine:
             else:
                 self._stats = self.core.stats()  # before the caller resumes: it may read stats() at once
                 fut.get_loop().call_soon_threadsafe(fut.set_result, result)
+        while True:
+            try:
+                top_n, fut = self._state_q.get_nowait()
+            except queue.Empty:
+                break
+            self._walks.add(self.core.cache_state_walk(top_n), _resolver(fut))
 
     def _emit(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)
@@ -192,6 +205,17 @@ class AsyncEngine:
         out["waiting"] += self._submit_q.qsize()
         return out
 
+    async def cache_state(self, top_n: int = 64) -> dict[str, Any]:
+        """The inspector's view of the cache (Engine.cache_state_walk), walked on the loop thread between
+        steps in slices of a quarter of a millisecond."""
+        if self._thread is None:
+            with self._step_lock:
+                return self.core.cache_state(top_n)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._state_q.put((top_n, fut))
+        self._wake.set()
+        return await fut
+
     async def flush_cache(self) -> bool:
         """Drop every cached prefix, on the loop thread between steps; False while requests run or wait."""
         if self._thread is None:
@@ -205,3 +229,15 @@ class AsyncEngine:
         self._calls.put((self.core.flush_cache, fut))
         self._wake.set()
         return await fut
+
+
+def _resolver(fut: asyncio.Future) -> Callable[[Any, BaseException | None], None]:
+    """A SlicedCalls callback that resolves fut on its own event loop."""
+
+    def done(result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            fut.get_loop().call_soon_threadsafe(fut.set_exception, error)
+        else:
+            fut.get_loop().call_soon_threadsafe(fut.set_result, result)
+
+    return done

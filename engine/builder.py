@@ -1,14 +1,17 @@
-"""Building an engine: config + a loaded model -> KV pools, page allocators, prefix cache, scheduler,
+"""Building an engine: config + a loaded model -> KV arena, page allocators, prefix cache, scheduler,
 model runner, tokenizer and chat template (`EngineParts`).
 
-KV pool sizes (plan_kv_pools):
-  * explicit token counts (CacheConfig.full_tokens / swa_tokens, `--max-total-tokens`), or
-  * a memory budget (`--kv-cache-memory-gb`) split so that swa_tokens = ratio * full_tokens, or
-  * the default: on CPU full = min(context, 65536) tokens, SWA = ratio * full; on CUDA
-    `--kv-memory-fraction` (85%) of the
-    device memory left after the weights, split like a budget.
-The SWA pool must hold max_running_requests windows (plus a page and a decode page each) and one
-prefill chunk; default sizing grows it to that, explicit sizing that is too small is an error.
+KV memory (plan_kv_pools): one arena of blocks that both page kinds are carved from
+(engine/kvcache/arena.py; a block is one SWA page or full_per_block full pages), sized from
+  * explicit token counts (CacheConfig.full_tokens / swa_tokens, `--max-total-tokens`): room for both
+    at once, or
+  * a memory budget (`--kv-cache-memory-gb`), or
+  * the default: on CPU room for min(context, 65536) full tokens and a quarter as many SWA tokens; on
+    CUDA `--kv-memory-fraction` (85%) of the device memory left after the weights.
+`--swa-full-tokens-ratio R`, when given, caps the SWA pages at what a fixed split with that ratio would
+have given them. The arena must hold max_running_requests windows (plus a page and a decode page
+each) and one prefill chunk, and the full pages of a chunk; default sizing grows it to that, explicit
+sizing that is too small is an error.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_pool import KVPool, bytes_per_token, resolve_kv_dtype
+from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
-from swaserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from swaserve.engine.kvcache import NaiveCache, PageAllocator, PrefixCache, SWARadixCache
+from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
+from swaserve.engine.peak_step import reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -39,15 +43,28 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    full_pages: int
-    swa_pages: int
+    num_blocks: int
+    full_per_block: int
+    swa_cap: int  # SWA pages (blocks) at most; num_blocks without --swa-full-tokens-ratio
     dtype: torch.dtype
+    block_bytes: int
+
+    @property
+    def full_pages(self) -> int:
+        """Full pages the arena could hold (all blocks full)."""
+        return self.num_blocks * self.full_per_block
+
+    @property
+    def swa_pages(self) -> int:
+        """SWA pages the arena could hold (all blocks SWA, or the cap)."""
+        return self.swa_cap
 
     def describe(self, page_size: int, cfg: ModelConfig) -> str:
-        bf, bs = bytes_per_token(cfg, self.dtype)
-        ft, st = self.full_pages * page_size, self.swa_pages * page_size
-        return (f"full pool {ft} tokens ({ft * bf / 2**20:.0f} MiB), SWA pool {st} tokens "
-                f"({st * bs / 2**20:.0f} MiB), {str(self.dtype).removeprefix('torch.')}")
+        cap = f", SWA capped at {self.swa_cap * page_size} tokens" if self.swa_cap < self.num_blocks else ""
+        return (f"one arena of {self.num_blocks} blocks x {self.block_bytes / 2**20:.2f} MiB "
+                f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB): {self.full_pages * page_size} full "
+                f"tokens or {self.num_blocks * page_size} SWA tokens, or any mix{cap}, "
+                f"{str(self.dtype).removeprefix('torch.')}")
 
 
 def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> int:
@@ -58,19 +75,25 @@ def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> i
 
 def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, context_length: int,
                   device: torch.device) -> PoolPlan:
-    """Pool sizes in pages (see the module docstring); ValueError when explicit sizes are too small."""
+    """The arena's size and SWA cap (see the module docstring); ValueError when explicit sizes are too
+    small."""
     page_size = cache.page_size
     dtype = resolve_kv_dtype(cache.kv_cache_dtype, device)
     full_bytes, swa_bytes = bytes_per_token(cfg, dtype)
-    ratio = cache.swa_full_tokens_ratio
+    k, _, swa_record = arena_geometry(cfg)
+    block_bytes = page_size * swa_record * torch.empty((), dtype=dtype).element_size()
+    ratio = cache.swa_full_tokens_ratio if cache.swa_full_tokens_ratio is not None else SIZING_RATIO
     need_swa = min_swa_pages(cfg, page_size, sched)
+    # the running windows and a chunk, and full pages for a chunk
+    need_blocks = need_swa + _cdiv(_cdiv(sched.chunked_prefill_size, page_size) + 1, k)
     explicit = cache.full_tokens is not None or cache.kv_cache_memory_gb is not None
     if cache.full_tokens is not None:
         full_tokens = cache.full_tokens
         swa_tokens = cache.swa_tokens if cache.swa_tokens is not None else int(full_tokens * ratio)
+        blocks = _cdiv(full_tokens, page_size * k) + _cdiv(swa_tokens, page_size)
     else:
         if cache.kv_cache_memory_gb is not None:
-            budget = cache.kv_cache_memory_gb * 2**30
+            budget: float | None = cache.kv_cache_memory_gb * 2**30
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = cache.kv_memory_fraction * free
@@ -79,21 +102,24 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
         if budget is None:
             full_tokens = min(context_length, CPU_DEFAULT_FULL_TOKENS)
             swa_tokens = int(full_tokens * ratio)
+            blocks = _cdiv(full_tokens, page_size * k) + _cdiv(swa_tokens, page_size)
         else:
             full_tokens = int(budget / (full_bytes + ratio * swa_bytes))
             swa_tokens = int(full_tokens * ratio)
-    full_pages = max(1, full_tokens // page_size)
-    swa_pages = swa_tokens // page_size
-    if swa_pages < need_swa:
+            blocks = int(budget // block_bytes)
+    swa_cap = blocks if cache.swa_full_tokens_ratio is None else swa_tokens // page_size
+    if blocks < need_blocks or swa_cap < need_swa:
+        what = (f"the KV arena ({blocks} blocks: {blocks * page_size} SWA tokens"
+                + (f", SWA capped at {swa_cap * page_size}" if swa_cap < blocks else "") + ")")
         if explicit:
             raise ValueError(
-                f"the SWA KV pool ({swa_pages * page_size} tokens) cannot hold --max-running-requests "
-                f"{sched.max_running_requests} windows of {cfg.sliding_window} tokens plus one "
-                f"--chunked-prefill-size chunk of {sched.chunked_prefill_size} (needs "
-                f"{need_swa * page_size} tokens): raise --swa-full-tokens-ratio or the pool size, or lower "
-                f"--max-running-requests")
-        swa_pages = need_swa
-    return PoolPlan(full_pages, swa_pages, dtype)
+                f"{what} cannot hold --max-running-requests {sched.max_running_requests} windows of "
+                f"{cfg.sliding_window} tokens plus one --chunked-prefill-size chunk of "
+                f"{sched.chunked_prefill_size} (needs {need_swa * page_size} SWA tokens and a chunk of full "
+                f"tokens): raise the memory (or --swa-full-tokens-ratio), or lower --max-running-requests")
+        blocks = max(blocks, need_blocks)
+        swa_cap = blocks if cache.swa_full_tokens_ratio is None else max(swa_cap, need_swa)
+    return PoolPlan(blocks, k, min(swa_cap, blocks), dtype, block_bytes)
 
 
 @dataclass
@@ -103,21 +129,22 @@ class EngineParts:
     model_config: ModelConfig
     model_name: str
     device: torch.device
-    context_length: int  # the model's (or --context-length), capped by the full KV pool
+    context_length: int  # the model's (or --context-length), capped by the KV arena
     tokenizer: Tokenizer
     tokenizer_metadata: dict[str, Any]  # the GGUF's tokenizer.* keys (a server process rebuilds from them)
     chat_template: ChatTemplate | None  # None when the GGUF has no tokenizer.chat_template
     eos_ids: frozenset[int]
-    pool: KVPool
-    full_alloc: PageAllocator
-    swa_alloc: PageAllocator
+    pool: ArenaKVPool
+    arena: Arena
+    full_alloc: PagePool
+    swa_alloc: PagePool
     cache: PrefixCache
     scheduler: Scheduler
     runner: ModelRunner
 
 
-def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PageAllocator,
-                swa_alloc: PageAllocator) -> PrefixCache:
+def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
+                swa_alloc: PagePool) -> PrefixCache:
     """The prefix cache `--cache-type` names."""
     if cache_cfg.cache_type == "naive":
         return NaiveCache(cache_cfg.page_size, full_alloc, swa_alloc)
@@ -126,29 +153,30 @@ def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PageAllocator,
 
 
 def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
-    """Size and allocate the KV pools (after the weights: from what memory is left), then build the
-    cache, the scheduler and the runner around them."""
+    """Size and allocate the KV arena (after the weights: from what memory is left), then build the
+    cache, the scheduler and the runner around it."""
     model_cfg, cache_cfg, sched_cfg = bundle.config, cfg.cache, cfg.scheduler
     device = bundle.device
     tokenizer = Tokenizer.from_metadata(bundle.metadata)
     template_source = bundle.metadata.get("tokenizer.chat_template")
     chat_template = ChatTemplate(template_source, tokenizer) if template_source else None
     context = sched_cfg.context_length or model_cfg.context_length
+    reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
     plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
-    capacity = plan.full_pages * cache_cfg.page_size
+    P = cache_cfg.page_size
+    capacity = (plan.num_blocks - _cdiv(model_cfg.sliding_window, P) - 2) * plan.full_per_block * P
     if context > capacity:
-        log.warning("context length %d exceeds the full KV pool (%d tokens); serving up to %d", context,
-                    capacity, capacity)
+        log.warning("context length %d exceeds what the KV arena holds beside one window (%d tokens); "
+                    "serving up to %d", context, capacity, capacity)
         context = capacity
-    pool = KVPool(model_cfg, plan.full_pages, plan.swa_pages, cache_cfg.page_size, plan.dtype, device)
-    if device.type == "cpu":  # make the pools resident now: memory stays flat while serving
-        for t in (pool.full_k, pool.full_v, pool.swa_k, pool.swa_v):
+    pool = ArenaKVPool(model_cfg, plan.num_blocks, P, plan.dtype, device)
+    if device.type == "cpu":  # make the memory resident now: it stays flat while serving
+        for t in pool.tensors():
             t.fill_(0)
-    log.info("KV pools: %s", plan.describe(cache_cfg.page_size, model_cfg))
-    full_alloc = PageAllocator(plan.full_pages)
-    swa_alloc = PageAllocator(plan.swa_pages)
-    cache = build_cache(cache_cfg, model_cfg.sliding_window, full_alloc, swa_alloc)
-    kv = KVManager(cache, full_alloc, swa_alloc, cache_cfg.page_size, model_cfg.sliding_window)
+    log.info("KV memory: %s", plan.describe(P, model_cfg))
+    arena = Arena(plan.num_blocks, plan.full_per_block, swa_cap=plan.swa_cap, block_bytes=plan.block_bytes)
+    cache = build_cache(cache_cfg, model_cfg.sliding_window, arena.full, arena.swa)
+    kv = KVManager(cache, arena.full, arena.swa, P, model_cfg.sliding_window)
     return EngineParts(
         model_config=model_cfg,
         model_name=bundle.name,
@@ -159,9 +187,10 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         chat_template=chat_template,
         eos_ids=frozenset(tokenizer.eos_ids) | frozenset(model_cfg.eos_token_ids),
         pool=pool,
-        full_alloc=full_alloc,
-        swa_alloc=swa_alloc,
+        arena=arena,
+        full_alloc=arena.full,
+        swa_alloc=arena.swa,
         cache=cache,
         scheduler=Scheduler(sched_cfg, kv, context),
-        runner=ModelRunner(bundle.model, pool, cache_cfg.page_size, model_cfg.sliding_window, device),
+        runner=ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device),
     )

@@ -64,6 +64,7 @@ class ModelConfig:
 
 
 KVDtype = Literal["auto", "bf16", "fp16", "fp32"]
+SIZING_RATIO = 0.25  # SWA tokens per full token when sizing the default or a --max-total-tokens arena
 CpuMatmul = Literal["exact", "fast"]  # see EngineConfig.cpu_matmul
 
 
@@ -91,22 +92,26 @@ class CacheConfig:
     # total budget for both pools; None = backend default
     kv_cache_memory_gb: float | None = option(
         None, "--kv-cache-memory-gb", min=0, min_exclusive=True,
-        help="memory for both KV pools (default: a fraction of free device memory)")
-    # share of the device memory left after the weights that the KV pools take (CUDA, no explicit size)
+        help="memory for the KV arena both page kinds share (default: a fraction of free device memory)")
+    # share of the device memory left after the weights that the KV arena takes (CUDA, no explicit size)
     kv_memory_fraction: float = option(
         0.85, "--kv-memory-fraction", min=0, max=1, min_exclusive=True,
         help="on CUDA without an explicit pool size: the share of the device memory left after the weights "
-             "that the KV pools take (default 0.85; alias --gpu-memory-utilization)")
-    # Pool sizes in tokens; None = derive from kv_cache_memory_gb and swa_full_tokens_ratio. The flag
-    # sets full_tokens, and engine/args.py sizes swa_tokens from it by swa_full_tokens_ratio.
+             "that the KV arena takes (default 0.85; alias --gpu-memory-utilization)")
+    # Arena size in tokens of each kind held at once; None = from kv_cache_memory_gb (or the default).
+    # The flag sets full_tokens, and engine/args.py sizes swa_tokens from it (swa_full_tokens_ratio, or
+    # a quarter).
     full_tokens: int | None = option(
         None, "--max-total-tokens", min=1,
-        help="full-attention pool size in tokens (overrides --kv-cache-memory-gb)")
+        help="size the KV memory for this many full-attention tokens plus a quarter as many SWA tokens "
+             "(overrides --kv-cache-memory-gb)")
     swa_tokens: int | None = None
-    # SWA tokens / full tokens when sizing from memory
-    swa_full_tokens_ratio: float = option(
-        0.25, "--swa-full-tokens-ratio", min=0, max=1, min_exclusive=True,
-        help="SWA pool tokens / full pool tokens (default 0.25)")
+    # None: both page kinds share the KV arena freely; R: SWA pages capped at what a fixed split with
+    # SWA tokens = R x full tokens would give them
+    swa_full_tokens_ratio: float | None = option(
+        None, "--swa-full-tokens-ratio", min=0, max=1, min_exclusive=True,
+        help="cap the SWA share of the KV memory at a fixed split with SWA tokens = R x full tokens "
+             "(default: no cap, the split follows the workload)")
     swa_retain_budget: int = option(
         512, "--swa-retain-budget", min=0,
         help="tokens of divergence before an anchor whose SWA window is kept (default 512)")

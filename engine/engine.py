@@ -18,6 +18,7 @@ from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.engine.grammar import GrammarBackend
+from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text_stream import TextStream
@@ -67,6 +68,7 @@ class Engine:
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc
         self.swa_alloc = parts.swa_alloc
+        self.arena = parts.arena
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.runner = parts.runner
@@ -88,6 +90,9 @@ class Engine:
         self.steps = 0
         self.sched_time = 0.0  # seconds in scheduling + cache bookkeeping (schedule + update)
         self.step_time = 0.0  # seconds in whole steps
+        self.reuse_log = snapshot.ReuseLog()  # inspector: recent requests, reused length, why reuse stopped
+        self.pool_history = snapshot.PoolHistory()  # inspector: pool usage, a sample a second while busy
+        self.scheduler.kv.on_admit = self._record_reuse
 
     # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -163,6 +168,9 @@ class Engine:
         self.steps += 1
         self.sched_time += (t1 - t0) + (t3 - t2)
         self.step_time += time.perf_counter() - t0
+        now = time.monotonic()
+        if self.pool_history.due(now):
+            self.pool_history.add(now, time.time(), self._pools())
         return outs
 
     def fail_all(self) -> list[str]:
@@ -260,23 +268,54 @@ class Engine:
              end - r0.arrival_time, ",".join(str(c.finish_reason) for c in choices))
 
     # ---- introspection -------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Queue lengths and their cap, the page size, both pools' pages (total / free / used by requests /
-        cached), prefix-cache counters, token totals and the seconds spent in steps."""
+    def _record_reuse(self, req: Req, m: Match) -> None:
+        """KVManager.on_admit: on a request's first admission, log why its reuse stopped where it did."""
+        if req.cached_tokens is None and req.index == 0:
+            matched, reason = snapshot.explain_reuse(self.cache, req.token_ids, m.reused_len)
+            self.reuse_log.record(req.request_id, req.prompt_len, m.reused_len, matched, reason)
+
+    def _pools(self) -> dict[str, dict[str, Any]]:
+        """Per page kind the pages its arena blocks hold now (total = free + used by requests + cached),
+        what can be allocated now and the most the arena could hold of it."""
         sched = self.scheduler
         used_full, used_swa = sched.kv.used_pages(sched.running)
         pools = {}
         for name, alloc, used in (("full_pool", self.full_alloc, used_full),
                                   ("swa_pool", self.swa_alloc, used_swa)):
-            total, free = alloc.num_total, alloc.num_free
-            pools[name] = {"total": total, "free": free, "used": used, "cached": total - free - used,
-                           "usage": used / total if total else 0.0}
+            cap = alloc.num_total
+            pools[name] = {"total": alloc.num_carved, "free": alloc.num_carved_free, "used": used,
+                           "cached": alloc.num_used - used, "allocatable": alloc.num_free, "capacity": cap,
+                           "usage": used / cap if cap else 0.0}
+        return pools
+
+    def cache_state_walk(self, top_n: int = 64) -> snapshot.StateWalk:
+        """The inspector's view (GET /v1/cache/state) as a resumable walk (engine/kvcache/snapshot.py): the
+        asynchronous fronts advance it between steps, a quarter of a millisecond at a time."""
+        state = yield from snapshot.walk_state(self.cache, top_n)
+        now = time.monotonic()
+        pools = self._pools()
+        self.pool_history.add(now, time.time(), pools)
+        state.update(cache_type=self.config.cache.cache_type, running=len(self.scheduler.running),
+                     waiting=len(self.scheduler.waiting), pools=pools, arena=self.arena.stats(),
+                     recent_requests=self.reuse_log.recent(), pool_history=self.pool_history.recent())
+        return state
+
+    def cache_state(self, top_n: int = 64) -> dict[str, Any]:
+        """cache_state_walk run to the end at once (offline use and tests)."""
+        return snapshot.run_slice(self.cache_state_walk(top_n), None)[1]  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths and their cap, the page size; both page kinds (see _pools); the arena's blocks;
+        prefix-cache counters, token totals and the seconds spent in steps."""
+        sched = self.scheduler
+        pools = self._pools()
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "max_running_requests": self.config.scheduler.max_running_requests,
             "page_size": self.config.cache.page_size,  # tokens per page of both pools
             **pools,
+            "arena": self.arena.stats(),
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "num_preemptions": sched.num_preemptions,

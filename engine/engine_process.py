@@ -9,10 +9,11 @@ server/launch.py's, that loads the model and returns a synchronous `Engine`; thi
 `models/`) and talks to it over two pipes:
 
   server -> engine: ("add", seq, request_id, prompt_ids, params, anchors), ("abort", request_id),
-                    ("call", call_id, name), ("shutdown",)
+                    ("call", call_id, name), ("state", call_id, top_n), ("shutdown",)
   engine -> server: ("ready", info) | ("load_error", message, is_value_error),
                     ("step", outputs, stats), ("rejected", request_id, message, param),
-                    ("failed", request_ids, message), ("result", call_id, value, stats)
+                    ("failed", request_ids, message), ("result", call_id, value, stats),
+                    ("call_error", call_id, message)
 
 Each side has a thread that only moves bytes (the server's sender and reader, the engine's receiver),
 so neither the event loop nor a model step ever waits on a full pipe. Requests are validated in the
@@ -37,6 +38,7 @@ from typing import Any
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import EngineConfig, ModelConfig
 from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput, SamplingParams
+from swaserve.engine.kvcache.snapshot import SlicedCalls
 from swaserve.engine.scheduler.requests import check_lengths
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -88,6 +90,7 @@ class _EngineLoop:
     def __init__(self, core: Any, messages: queue.SimpleQueue, wake: threading.Event, outbox: Connection):
         self.core, self.messages, self.wake, self.outbox = core, messages, wake, outbox
         self.submitted = 0  # sequence number of the last submission taken (the server counts in-transit ones)
+        self.walks = SlicedCalls()  # cache_state walks, advanced between steps (0.25 ms budget a slice)
 
     def stats(self) -> dict[str, Any]:
         return {**self.core.stats(), "submitted": self.submitted}
@@ -96,7 +99,11 @@ class _EngineLoop:
         while True:
             if not self._drain():
                 return
+            if self.walks:
+                self.walks.advance()
             if not self.core.has_work():
+                if self.walks:
+                    continue
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
                 continue
@@ -107,6 +114,15 @@ class _EngineLoop:
                 self.outbox.send(("failed", self.core.fail_all(), f"engine error: {e}"))
                 outs = []
             self.outbox.send(("step", outs, self.stats()))
+
+    def _state_done(self, call_id: int) -> Callable[[Any, BaseException | None], None]:
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self.outbox.send(("call_error", call_id, f"{type(error).__name__}: {error}"))
+            else:
+                self.outbox.send(("result", call_id, result, self.stats()))
+
+        return done
 
     def _drain(self) -> bool:
         """Apply every queued message; False on shutdown."""
@@ -132,6 +148,9 @@ class _EngineLoop:
                 _, call_id, name = msg
                 result = getattr(self.core, name)()
                 self.outbox.send(("result", call_id, result, self.stats()))
+            elif kind == "state":
+                _, call_id, top_n = msg
+                self.walks.add(self.core.cache_state_walk(top_n), self._state_done(call_id))
         if changed:
             self.outbox.send(("step", [], self.stats()))
         return True
@@ -225,6 +244,9 @@ class EngineClient:
                 self._stats = msg[3]  # before the caller resumes: it may read stats() at once
                 loop, fut = self._calls.pop(msg[1])
                 loop.call_soon_threadsafe(fut.set_result, msg[2])
+            elif kind == "call_error":
+                loop, fut = self._calls.pop(msg[1])
+                loop.call_soon_threadsafe(fut.set_exception, RuntimeError(msg[2]))
         self._process.join(5)
         self._dead = f"the engine process exited (exit code {self._process.exitcode})"
         if not self._closing:
@@ -312,11 +334,19 @@ class EngineClient:
 
     async def flush_cache(self) -> bool:
         """Drop every cached prefix, in the engine process between steps; False while requests run."""
+        return await self._call("call", "flush_cache")
+
+    async def cache_state(self, top_n: int = 64) -> dict[str, Any]:
+        """The inspector's view of the cache, walked in the engine process between steps (slices of at
+        most a quarter of a millisecond; engine/kvcache/snapshot.py)."""
+        return await self._call("state", top_n)
+
+    async def _call(self, kind: str, arg: Any) -> Any:
         if self._dead is not None:
             raise EngineDied(self._dead)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, fut)
-        self._outgoing.put(("call", call_id, "flush_cache"))
+        self._outgoing.put((kind, call_id, arg))
         return await fut

@@ -10,6 +10,7 @@ from swaserve.engine.core import Batch, Req, TokenLogprob
 from swaserve.engine.grammar import GrammarBackend, GrammarState
 from swaserve.engine.model_api import CausalLM
 from swaserve.engine.sampling import SampleRow, make_generator, sample_isolated
+from swaserve.engine.staging import pack_to_device, to_device
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -18,32 +19,40 @@ def _cdiv(a: int, b: int) -> int:
 
 def build_metadata(batch: Batch, page_size: int, window: int, device: torch.device | str = "cpu"
                    ) -> AttentionMetadata:
-    """Positions, slots and page tables of both pools for one batch (built on the CPU, then moved)."""
-    P, W = page_size, window
+    """Positions, slots and page tables of both pools for one batch.
+
+    Built from the batch's Python lists on the host and staged to the device in two copies (int64,
+    int32) that do not wait for the device (engine/staging.py): no host synchronisation."""
     B = len(batch.reqs)
-    npages = [_cdiv(p + q, P) for p, q in zip(batch.prefix_lens, batch.q_lens)]
+    npages = [_cdiv(p + q, page_size) for p, q in zip(batch.prefix_lens, batch.q_lens)]
     width = max(npages)
-    full_rows: list[list[int]] = []
-    swa_rows: list[list[int]] = []
-    for r, p, n in zip(batch.reqs, batch.prefix_lens, npages):
-        full_rows.append(r.full_pages[:n] + [-1] * (width - n))
-        lo = max(0, p - W + 1) // P  # first page a new token can see on sliding layers
+    full_rows: list[int] = []  # [B * width] row-major page tables, -1 = no page
+    swa_rows: list[int] = []
+    positions: list[int] = []  # [T]
+    full_slots: list[int] = []
+    swa_slots: list[int] = []
+    for r, p, q, n in zip(batch.reqs, batch.prefix_lens, batch.q_lens, npages):
+        full = r.full_pages[:n] + [-1] * (width - n)
+        lo = max(0, p - window + 1) // page_size  # first page a new token can see on sliding layers
         swa = [-1] * lo + [-1 if s is None else s for s in r.swa_pages[lo:n]] + [-1] * (width - n)
-        swa_rows.append(swa)
-    full_table = torch.tensor(full_rows, dtype=torch.int64)  # [B, width]
-    swa_table = torch.tensor(swa_rows, dtype=torch.int64)  # [B, width]
-    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(batch.q_lens))  # [T]
-    starts = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-    cu = torch.tensor([0] + batch.q_lens, dtype=torch.int64).cumsum(0)  # [B + 1]
-    positions = torch.arange(int(cu[-1]), dtype=torch.int64) - cu[seq] + starts[seq]  # [T]
-    page_idx, off = positions // P, positions % P  # [T]
-    full_slots = full_table[seq, page_idx] * P + off  # [T]
-    swa_pg = swa_table[seq, page_idx]  # [T]
-    assert bool((swa_pg >= 0).all()) and bool((full_table[seq, page_idx] >= 0).all()), "unmapped slot"
-    swa_slots = swa_pg * P + off  # [T]
-    meta = AttentionMetadata(P, W, list(batch.q_lens), list(batch.prefix_lens), positions, full_slots,
-                             swa_slots, full_table, swa_table)
-    return meta.to(device) if torch.device(device).type != "cpu" else meta
+        full_rows += full
+        swa_rows += swa
+        for pos in range(p, p + q):
+            page, off = divmod(pos, page_size)
+            assert full[page] >= 0 and swa[page] >= 0, f"unmapped slot at position {pos} of {r.rid}"
+            positions.append(pos)
+            full_slots.append(full[page] * page_size + off)
+            swa_slots.append(swa[page] * page_size + off)
+    cu = [0]
+    for q in batch.q_lens:
+        cu.append(cu[-1] + q)
+    decodes = [b for b, q in enumerate(batch.q_lens) if q == 1]
+    pos_t, full_t, swa_t, ftab, stab = pack_to_device(
+        [positions, full_slots, swa_slots, full_rows, swa_rows], torch.int64, device)
+    cu_t, prefix_t, dec_t = pack_to_device([cu, batch.prefix_lens, decodes], torch.int32, device)
+    return AttentionMetadata(page_size, window, list(batch.q_lens), list(batch.prefix_lens), pos_t, full_t,
+                             swa_t, ftab.view(B, width), stab.view(B, width), cu_q_lens_t=cu_t,
+                             prefix_lens_t=prefix_t, decode_seqs_t=dec_t)
 
 
 class ModelRunner:
@@ -63,7 +72,7 @@ class ModelRunner:
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         self.failed = {}
         meta = build_metadata(batch, self.page_size, self.window, self.device)
-        ids = torch.tensor(batch.input_ids(), dtype=torch.int64, device=self.device)  # [T]
+        ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
         hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
         cu = meta.cu_q_lens
         sel = [b for b, s in enumerate(batch.sample) if s]
@@ -71,7 +80,7 @@ class ModelRunner:
         logprobs: list[TokenLogprob | None] = [None] * len(batch.reqs)
         if not sel:
             return tokens, logprobs
-        rows_idx = torch.tensor([cu[b + 1] - 1 for b in sel], dtype=torch.int64, device=hidden.device)
+        rows_idx = to_device([cu[b + 1] - 1 for b in sel], torch.int64, hidden.device)  # [S]
         logits = self.model.logits(hidden[rows_idx])  # [S, V] fp32
         rows = []
         grammar_rows: list[int] = []

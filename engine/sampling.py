@@ -158,6 +158,49 @@ def _draw(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.where(bad, probs.argmax(dim=-1), idx)
 
 
+# With every sampled row's top_k at most this, the filters and the draw run over the top-k candidates
+# ([S, kmax]) instead of the whole vocabulary ([S, V]: a stable sort of 262,144 probabilities per row).
+CANDIDATE_LIMIT = 4096
+
+
+def _filters(z: torch.Tensor, sp: Sequence[SamplingParams]) -> torch.Tensor:
+    """top-k -> top-p -> min-p over logits z [S, N] (N = V, or candidates in ascending token order)."""
+    N = z.shape[1]
+    dev = z.device
+    if any(0 < p.top_k < N for p in sp):
+        z = top_k_mask(z, torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev))
+    if any(p.top_p < 1.0 for p in sp):
+        z = top_p_mask(z, torch.tensor([p.top_p for p in sp], dtype=z.dtype, device=dev))
+    if any(p.min_p > 0.0 for p in sp):
+        z = min_p_mask(z, torch.tensor([p.min_p for p in sp], dtype=z.dtype, device=dev))
+    return z
+
+
+def _sample_full(z: torch.Tensor, sp: Sequence[SamplingParams],
+                 gens: Sequence[torch.Generator]) -> torch.Tensor:
+    return _draw(torch.softmax(_filters(z, sp), dim=-1), gens)
+
+
+def _sample_candidates(z: torch.Tensor, sp: Sequence[SamplingParams], kmax: int,
+                       gens: Sequence[torch.Generator]) -> torch.Tensor | None:
+    """The same draw as `_sample_full` when every row has 0 < top_k <= kmax: tokens outside a row's top
+    k get probability 0 there, so only the kmax largest logits of each row can be drawn. They are put
+    back in ascending token order (so the stable sort of top-p breaks ties by token id and the inverse
+    CDF accumulates in token order, as over the whole vocabulary), filtered, and drawn from.
+    None (nothing drawn, no generator advanced) when a row's smallest candidate is tied with tokens
+    left out: top-k keeps every tie of the k-th value, so the candidates would not be all of them."""
+    vals, ids = torch.topk(z, kmax + 1, dim=-1)  # [S, kmax + 1] (kmax < V): the last is the first left out
+    last, out = vals[:, kmax - 1], vals[:, kmax]  # [S]
+    if bool(((last == out) & torch.isfinite(last)).any()):  # -inf ties have probability 0 anyway
+        return None
+    vals, ids = vals[:, :kmax], ids[:, :kmax]
+    ids, order = torch.sort(ids, dim=-1)  # [S, kmax] ascending token ids
+    vals = vals.gather(1, order)
+    probs = torch.softmax(_filters(vals, sp), dim=-1)  # [S, kmax]
+    pick = _draw(probs, gens)  # [S] positions among the candidates
+    return ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequence[int] = (),
            bitmask: torch.Tensor | None = None) -> SampleResult:
     """Sample one token per row of logits [B, V] (fp32, not modified). Rows `grammar_rows` are
@@ -187,19 +230,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequen
         sp = [rows[i].params for i in samp]
         temp = torch.tensor([p.temperature for p in sp], dtype=x.dtype, device=dev)  # [S]
         z = x[idx] / temp.unsqueeze(1)  # [S, V]
-        if any(0 < p.top_k < V for p in sp):
-            z = top_k_mask(z, torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev))
-        if any(p.top_p < 1.0 for p in sp):
-            z = top_p_mask(z, torch.tensor([p.top_p for p in sp], dtype=z.dtype, device=dev))
-        if any(p.min_p > 0.0 for p in sp):
-            z = min_p_mask(z, torch.tensor([p.min_p for p in sp], dtype=z.dtype, device=dev))
-        probs = torch.softmax(z, dim=-1)  # [S, V]
         gens = []
         for i in samp:
             g = rows[i].generator
             assert g is not None, "a sampled row needs a generator"
             gens.append(g)
-        out[idx] = _draw(probs, gens)
+        kmax = max(p.top_k for p in sp)
+        picked = None
+        if all(0 < p.top_k < V for p in sp) and kmax <= CANDIDATE_LIMIT:
+            picked = _sample_candidates(z, sp, kmax, gens)
+        out[idx] = picked if picked is not None else _sample_full(z, sp, gens)
 
     token_ids = out.tolist()
     logprobs: list[TokenLogprob | None] = [None] * B

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import CpuMatmul, ModelConfig
+from swaserve.engine.fused import decoder as fused_decoder
+from swaserve.engine.fused.ops import use_device_kernels
+from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear
 from swaserve.models.weights import Gemma4Weights, LayerWeights
-
-_ROPE_MIN_TABLE = 4096  # first table size; grows by doubling up to the largest position seen
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
@@ -54,39 +55,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int)
 
 
 class _Rope:
-    """cos/sin tables of one layer kind, computed lazily and grown by doubling."""
+    """cos/sin of one layer kind at a step's positions, computed on the positions' device.
+
+    angle = position * inv_freq in fp32, elementwise exactly what a precomputed table holds, with
+    no table size to outgrow and no `positions.max()` read back to the host (a sync per step)."""
 
     def __init__(self, theta: float, dim: int, pairs: int, half: int, device: torch.device):
         # inv_freq[i] = 1 / theta^(2i / dim) for the rotated pairs (the rest have frequency 0)
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / dim))
         self.inv_freq = self.inv_freq.to(device)  # [pairs]
         self.half = half
-        self.cos = torch.empty(0, pairs, device=device)
-        self.sin = torch.empty(0, pairs, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            size = max(_ROPE_MIN_TABLE, 1 << (need - 1).bit_length())
-            freqs = torch.arange(size, device=self.inv_freq.device).float()[:, None] * self.inv_freq  # [S, n]
-            self.cos, self.sin = freqs.cos(), freqs.sin()
-        return self.cos[positions], self.sin[positions]  # [T, n] each
+        angle = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, n]
+        return angle.cos(), angle.sin()  # [T, n] each
 
 
-def _to_dev(w: QWeight, device: torch.device) -> QWeight:
-    if w.data.device == device:
+def _to_dev(w: QWeight, device: torch.device, dtype: torch.dtype | None) -> QWeight:
+    """On CUDA float weights are converted to `dtype` here, once (engine/fused/weights.py)."""
+    if device.type == "cpu":
         return w
-    return QWeight(w.qtype, w.shape, w.data.to(device), w.name)
+    return float_weight_to(w, device, dtype)
 
 
-def _layer_to(lw: LayerWeights, device: torch.device) -> LayerWeights:
+def _layer_to(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> LayerWeights:
     """Everything but the routed experts (the MoE backend places those) on `device`."""
     if device.type == "cpu":
         return lw
     moved = {}
     for name, val in vars(lw).items():
         if isinstance(val, QWeight):
-            moved[name] = _to_dev(val, device)
+            moved[name] = _to_dev(val, device, dtype)
         elif isinstance(val, torch.Tensor):
             moved[name] = val.to(device)
         else:
@@ -115,9 +114,10 @@ class Gemma4Model:
         self.cpu_matmul = cpu_matmul  # CPU Q4_0 linears of fp32 inputs: exact or fast (EngineConfig)
         self.attn = attn
         self.moe = moe
-        self.embed = _to_dev(weights.embed, self.device)  # [V, H], also the tied lm_head
+        # [V, H], also the tied lm_head: kept in its stored dtype (logits_fp32 casts the hidden rows)
+        self.embed = _to_dev(weights.embed, self.device, None)
         self.final_norm = weights.final_norm.to(self.device).float()
-        self.layers = [_layer_to(lw, self.device) for lw in weights.layers]
+        self.layers = [_layer_to(lw, self.device, dtype) for lw in weights.layers]
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.router_input_scale = cfg.hidden_size ** -0.5
         self._is_sliding = [t == "sliding" for t in cfg.layer_types]  # per layer
@@ -133,6 +133,8 @@ class Gemma4Model:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
         """input_ids [T] (new tokens of every sequence, flat) -> fp32 hidden [T, H] after the final norm."""
+        if use_device_kernels(self.device) and fused_decoder.supported(self):
+            return fused_decoder.device_forward(self, input_ids, meta, pool)  # engine/fused: CUDA path
         ids = input_ids.to(self.device)
         positions = meta.positions.to(self.device)  # [T]
         h = embedding(ids, self.embed) * self.embed_scale  # [T, H] fp32 residual stream
@@ -144,7 +146,8 @@ class Gemma4Model:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V] (tied lm_head, final softcap)."""
-        out = self._linear(hidden.to(self.dtype), self.embed).float()  # [N, V]
+        x = hidden.to(self.dtype)
+        out = logits_fp32(x, self.embed) if x.is_cuda else self._linear(x, self.embed).float()  # [N, V]
         cap = self.cfg.final_logit_softcap
         if cap:
             out = torch.tanh(out / cap) * cap

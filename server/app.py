@@ -21,6 +21,7 @@ from swaserve.server.routes_chat import router as chat_router
 from swaserve.server.routes_completions import router as completions_router
 from swaserve.server.routes_misc import router as misc_router
 from swaserve.server.routes_responses import router as responses_router
+from swaserve.server.routes_ui import router as ui_router
 from swaserve.server.state import ServerConfig, ServerState
 from swaserve.server.worker_api import DrainGate
 from swaserve.server.worker_api import router as worker_router
@@ -80,6 +81,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
+    app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -73,6 +74,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 at once; exit code 0")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
+    g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the cache inspector page at / (chat + cache view; default: on when --host is "
+                        "a loopback address, off otherwise)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine on a thread of the server's process instead of its own process "
@@ -144,6 +148,15 @@ def _chat_template(path: str | None) -> str | None:
     return source
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def api_key_from_args(args: argparse.Namespace) -> str | None:
     """--api-key, else --api-key-file's first line, else $SWASERVE_API_KEY; ValueError when empty."""
     key = args.api_key
@@ -180,7 +193,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         allowed_origins=_origins(args.allowed_origins),
                         max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
                         max_stop_sequences=getattr(args, "max_stop_sequences", DEFAULT_MAX_STOP),
-                        disable_docs=getattr(args, "disable_docs", False))
+                        disable_docs=getattr(args, "disable_docs", False),
+                        ui=args.ui if getattr(args, "ui", None) is not None else is_loopback(args.host))
 
 
 def build_engine_core(cfg: EngineConfig) -> Engine:

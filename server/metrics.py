@@ -70,11 +70,18 @@ class _EngineCollector(Collector):
         for pool in ("full", "swa"):
             ps = stats.get(f"{pool}_pool") or {}
             usage.add_metric([model, pool], _pool_usage(ps))
-            for st in ("total", "free", "used", "cached"):
+            for st in ("total", "free", "used", "cached", "allocatable", "capacity"):
                 if st in ps:
                     pages.add_metric([model, pool, st], float(ps[st]))
         yield usage
         yield pages
+        arena = stats.get("arena")
+        if arena:  # one KV arena both page kinds are carved from: its blocks by kind
+            blocks = GaugeMetricFamily(PREFIX + "kv_arena_blocks", "KV arena blocks by state.",
+                                       labels=["model_name", "state"])
+            for st in ("total", "free", "full", "swa"):
+                blocks.add_metric([model, st], float(arena.get(f"blocks_{st}", 0)))
+            yield blocks
 
 
 class Metrics:

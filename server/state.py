@@ -39,6 +39,7 @@ class ServerConfig:
     max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
     disable_docs: bool = False  # no /openapi.json
+    ui: bool = False  # --ui: the inspector page at GET / (server/routes_ui.py)
 
 
 class ServerState:

@@ -61,13 +61,17 @@ def load_report(stats: dict[str, Any], gen_throughput: float) -> dict[str, Any]:
     cache), `active_token_usage` the share that requests hold and eviction cannot reclaim; smg's
     overload protection reads the latter. Both take the fuller of the two pools (full-attention and
     sliding-window): whichever runs out first stops admission. Absolute token counts are the
-    full-attention pool's (it holds every token of every sequence).
+    full-attention pool's (it holds every token of every sequence). With one KV arena for both kinds
+    (`capacity` / `allocatable` in the stats) a kind's size is what the arena could hold of it, and
+    what it could allocate now is its free share.
     """
     page = int(stats.get("page_size") or 0)
     full = stats.get("full_pool") or {}
-    pools = [p for p in (full, stats.get("swa_pool") or {}) if p.get("total")]
-    held = max((1.0 - p["free"] / p["total"] for p in pools), default=0.0)
-    active = max((p["used"] / p["total"] for p in pools), default=0.0)
+    pools = [(p, p.get("capacity", p.get("total")), p.get("allocatable", p.get("free", 0)))
+             for p in (full, stats.get("swa_pool") or {})]
+    pools = [(p, size, free) for p, size, free in pools if size]
+    held = max((1.0 - free / size for _, size, free in pools), default=0.0)
+    active = max((p["used"] / size for p, size, _ in pools), default=0.0)
     queried = stats.get("prefix_cache_query_tokens", 0)
     running, waiting = int(stats.get("running", 0)), int(stats.get("waiting", 0))
     rank = {
@@ -76,7 +80,7 @@ def load_report(stats: dict[str, Any], gen_throughput: float) -> dict[str, Any]:
         "num_waiting_reqs": waiting,
         "num_total_reqs": running + waiting,
         "num_used_tokens": int(full.get("used", 0)) * page,
-        "max_total_num_tokens": int(full.get("total", 0)) * page,
+        "max_total_num_tokens": int(full.get("capacity", full.get("total", 0))) * page,
         "token_usage": round(held, 4),
         "active_token_usage": round(active, 4),
         "gen_throughput": round(gen_throughput, 2),

@@ -35,6 +35,11 @@ class AttentionMetadata:
     # first forward of the batch; empty on a new or `to()`-copied metadata. Build a new
     # AttentionMetadata per batch; never mutate one between steps.
     backend_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Device copies of the per-sequence lists, staged with the rest by build_metadata (None when the
+    # metadata was built by hand: backends then stage them themselves). int32.
+    cu_q_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [B + 1]
+    prefix_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [B]
+    decode_seqs_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [BD] q_len-1 rows
 
     @property
     def cu_q_lens(self) -> list[int]:
@@ -44,10 +49,15 @@ class AttentionMetadata:
         return out
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return AttentionMetadata(
             self.page_size, self.window, self.q_lens, self.prefix_lens,
             self.positions.to(device), self.full_slots.to(device), self.swa_slots.to(device),
             self.full_page_table.to(device), self.swa_page_table.to(device),
+            cu_q_lens_t=move(self.cu_q_lens_t), prefix_lens_t=move(self.prefix_lens_t),
+            decode_seqs_t=move(self.decode_seqs_t),
         )
 
 

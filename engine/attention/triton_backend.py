@@ -15,6 +15,7 @@ from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, 
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.quant.triton_q4 import check_triton_device
 from swaserve.engine.quant.triton_q4 import dot_f32 as use_dot_f32
+from swaserve.engine.staging import pack_to_device
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -23,17 +24,20 @@ def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 class _BatchInfo:
-    """Index tensors derived from (q_lens, prefix_lens), shared by all layers of one step."""
+    """Index tensors derived from (q_lens, prefix_lens), shared by all layers of one step.
+
+    Taken from the metadata's staged device copies when present; otherwise staged here (pinned,
+    non-blocking). Nothing here waits for the device."""
 
     def __init__(self, meta: AttentionMetadata, device: torch.device):
         self.key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
         self.device = device
-        i32 = dict(dtype=torch.int32, device=device)
-        self.cu_q_lens = torch.tensor(meta.cu_q_lens, **i32)  # [B + 1]
-        self.prefix_lens = torch.tensor(meta.prefix_lens, **i32)  # [B]
         decodes = [b for b, q in enumerate(meta.q_lens) if q == 1]
+        staged = (meta.cu_q_lens_t, meta.prefix_lens_t, meta.decode_seqs_t)
+        if any(t is None or t.device != device for t in staged):
+            staged = tuple(pack_to_device([meta.cu_q_lens, meta.prefix_lens, decodes], torch.int32, device))
+        self.cu_q_lens, self.prefix_lens, self.decode_seqs = staged  # [B + 1], [B], [BD] int32
         self.num_decodes = len(decodes)
-        self.decode_seqs = torch.tensor(decodes, **i32)  # [BD] batch index of each decode sequence
         self.prefill_seqs = [(b, q) for b, q in enumerate(meta.q_lens) if q > 1]  # (batch index, q_len)
         self.max_decode_len = max((meta.prefix_lens[b] + 1 for b in decodes), default=0)
         # block_m -> (blk_seq, blk_start), built by prefill_blocks on first use per block size
@@ -47,8 +51,8 @@ class _BatchInfo:
                 for m0 in range(0, q, block_m):
                     seq.append(b)
                     start.append(m0)
-            i32 = dict(dtype=torch.int32, device=self.device)
-            self._prefill_blocks[block_m] = (torch.tensor(seq, **i32), torch.tensor(start, **i32))
+            blk_seq, blk_start = pack_to_device([seq, start], torch.int32, self.device)
+            self._prefill_blocks[block_m] = (blk_seq, blk_start)
         return self._prefill_blocks[block_m]
 
 

@@ -179,13 +179,16 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     s_mask = offs_s < num_splits
-    row = (i * H + h).to(tl.int64) * num_splits + offs_s  # [BS]
-    lse = tl.load(plse_ptr + row, mask=s_mask, other=float("-inf"))
+    base = (i * H + h).to(tl.int64) * num_splits
+    lse = tl.load(plse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BS]
     m = tl.max(lse, 0)  # finite: the split holding the query's own key is never empty
-    w = tl.exp(lse - m)  # [BS], 0 for empty splits
-    part = tl.load(po_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [D]
-    tl.store(o_ptr + tok * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+    denom = tl.sum(tl.exp(lse - m), 0)  # empty splits weigh 0
+    # one split row [D] at a time: a [BLOCK_S, D] tile at D = 512 needs 255 registers and spills
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp(tl.load(plse_ptr + base + s) - m)
+        acc += tl.load(po_ptr + (base + s) * D + offs_d) * w
+    tl.store(o_ptr + tok * stride_ot + h * stride_oh + offs_d, (acc / denom).to(o_ptr.dtype.element_ty))
 
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills

@@ -1,6 +1,39 @@
-"""Free-list allocator of integer page ids for one KV pool (full or SWA)."""
+"""Free-list allocator of integer page ids for one KV pool (full or SWA), and the interface every page
+allocator offers (PagePool: this one, and each kind of a shared arena, engine/kvcache/arena.py)."""
 
 from __future__ import annotations
+
+from typing import Protocol
+
+
+class PagePool(Protocol):
+    """What the caches and the scheduler use of a page allocator."""
+
+    @property
+    def num_free(self) -> int: ...  # pages alloc() can hand out now
+
+    @property
+    def num_total(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...  # pages handed out (held by requests or cached)
+
+    @property
+    def num_ids(self) -> int: ...  # page ids are 0 .. num_ids - 1 (an arena's SWA cap holds fewer at once)
+
+    @property
+    def num_carved(self) -> int: ...  # pages of this kind the memory holds now (the pool; an arena's blocks)
+
+    @property
+    def num_carved_free(self) -> int: ...  # of those, not handed out
+
+    def alloc(self, n: int) -> list[int] | None: ...
+
+    def free(self, pages: list[int]) -> None: ...
+
+    def is_free(self, page: int) -> bool: ...
+
+    def check(self) -> None: ...
 
 
 class PageAllocator:
@@ -25,6 +58,18 @@ class PageAllocator:
     def num_used(self) -> int:
         """Pages handed out (held by requests or by the prefix cache)."""
         return self._total - len(self._free)
+
+    @property
+    def num_ids(self) -> int:
+        return self._total
+
+    @property
+    def num_carved(self) -> int:
+        return self._total
+
+    @property
+    def num_carved_free(self) -> int:
+        return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """n page ids, or None (allocating nothing) when fewer than n are free."""

@@ -82,13 +82,15 @@ class PrefixCache(ABC):
         """Undo one lock(handle)."""
 
     @abstractmethod
-    def evict_full(self, num_pages: int) -> int:
+    def evict_full(self, num_pages: int, dead_only: bool = False) -> int:
         """Free at least num_pages full-attention pages if possible (never a locked one); returns how
-        many were freed (their SWA pages are freed too)."""
+        many were freed (their SWA pages are freed too). dead_only: only KV no cached window can
+        reach (useless: freeing it loses no reuse)."""
 
     @abstractmethod
-    def evict_swa(self, num_pages: int) -> int:
-        """Free at least num_pages SWA pages if possible (never a locked one); returns how many."""
+    def evict_swa(self, num_pages: int, unprotected_only: bool = False) -> int:
+        """Free at least num_pages SWA pages if possible (never a locked one); returns how many.
+        unprotected_only: only pages the cache ranks lowest (no retained window needs them)."""
 
     @abstractmethod
     def evictable_full(self) -> int:

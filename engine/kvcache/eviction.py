@@ -3,8 +3,10 @@
 SWA pool (evict_swa), in this order, never touching a locked page:
   1. unprotected SWA pages (covered by no anchor): LRU by node recency (the max access time over
      the node's subtree), front pages of a node first so the deepest windows survive longest;
-  2. whole anchor windows, LRU by the recency of the anchor's node: the anchor is dropped and the
-     pages of its range that no other anchor protects are freed.
+  2. the anchors' divergence slack, 3. redundant anchors' windows, 4. the other windows, in the
+     order retention.py gives: the anchor's slack is given up (or the anchor dropped), and of the
+     pages no other anchor protects, front pages first, as many as needed are freed (the rest stay
+     as unprotected cache).
 Full pool (evict_full), never touching a locked node:
   1. dead full KV: pages that no surviving window can reach (no live reuse point at or below
      them), cut from the tails of unlocked leaves, LRU;
@@ -15,8 +17,18 @@ from __future__ import annotations
 
 import heapq
 
-from swaserve.engine.kvcache.allocator import PageAllocator
-from swaserve.engine.kvcache.node import Node, page_key, path_ranges
+from swaserve.engine.kvcache.allocator import PagePool
+from swaserve.engine.kvcache.node import Anchor, Node, page_key, path_ranges
+
+MAX_LOST_KEYS = 8  # remembered evicted continuations per node end
+
+
+def _remember_lost(node: Node, key: tuple[int, ...]) -> None:
+    if node.parent is None:
+        return
+    if len(node.lost_keys) >= MAX_LOST_KEYS:
+        node.lost_keys.pop()
+    node.lost_keys.add(key)
 
 
 class EvictionMixin:
@@ -27,8 +39,8 @@ class EvictionMixin:
     _nodes: set[Node]
     full_cached: int
     swa_cached: int
-    full_alloc: PageAllocator
-    swa_alloc: PageAllocator
+    full_alloc: PagePool
+    swa_alloc: PagePool
     evicted_full_pages: int
     evicted_swa_pages: int
     trimmed_swa_pages: int
@@ -39,9 +51,16 @@ class EvictionMixin:
     def _add_protection(self, node: Node, lo: int, hi: int, d: int) -> None:
         raise NotImplementedError
 
+    def _forget_anchor(self, node: Node, hi: int) -> Anchor:
+        raise NotImplementedError
+
+    def anchors_in_order(self) -> tuple[list[tuple[Node, int]], list[tuple[Node, int]]]:
+        raise NotImplementedError
+
     # ---- SWA pool ---------------------------------------------------------------------------
-    def evict_swa(self, num_pages: int) -> int:
-        """Free at least num_pages SWA pages if possible (never a locked one); returns the number freed."""
+    def evict_swa(self, num_pages: int, unprotected_only: bool = False) -> int:
+        """Free at least num_pages SWA pages if possible (never a locked one); returns the number freed.
+        unprotected_only: tier 1 alone."""
         if num_pages <= 0 or not self.swa_cached:
             return 0
         freed: list[int] = []
@@ -57,27 +76,41 @@ class EvictionMixin:
                         break
             if len(freed) >= num_pages:
                 break
-        if len(freed) < num_pages:
-            # LRU by the anchor node's subtree recency; on a tie (one path) the deeper anchor first
-            anchors = [(nd.last_access, -hi, id(nd), nd) for nd in self._nodes for hi in nd.anchors]
-            anchors.sort(key=lambda t: t[:3])
-            for _, neg_hi, _, nd in anchors:
-                hi = -neg_hi
+        if len(freed) < num_pages and not unprotected_only:
+            redundant, others = self.anchors_in_order()
+            for nd, hi in redundant + others:  # 2: the divergence slack of every anchor
                 if len(freed) >= num_pages:
                     break
-                lo = nd.anchors.pop(hi)
-                self._add_protection(nd, lo, hi, -1)
-                for x, a, b in path_ranges(nd, lo, hi):
-                    swa, locks, prot = x.swa_pages, x.swa_locks, x.protect_counts
-                    for i in range(a, b):
-                        if swa[i] is not None and not locks[i] and not prot[i]:
-                            freed.append(swa[i])  # type: ignore[arg-type]
-                            swa[i] = None
-                            x.live_swa -= 1
+                an = nd.anchors[hi]
+                if an.lo < an.core_lo:
+                    self._add_protection(nd, an.lo, an.core_lo, -1)
+                    lo, an.lo = an.lo, an.core_lo
+                    self._free_unprotected(nd, lo, an.core_lo, freed, num_pages)
+            # 3: windows a deeper anchor on the same unbranched path makes redundant, 4: the others
+            for nd, hi in redundant + others:
+                if len(freed) >= num_pages:
+                    break
+                an = self._forget_anchor(nd, hi)
+                self._free_unprotected(nd, an.lo, hi, freed, num_pages)
         self.swa_cached -= len(freed)
         self.evicted_swa_pages += len(freed)
         self.swa_alloc.free(freed)
         return len(freed)
+
+    def _free_unprotected(self, node: Node, lo: int, hi: int, freed: list[int], need: int) -> None:
+        """Drop live, unlocked, unprotected SWA pages of [lo, hi) on node's root path into freed, front
+        pages first, until freed holds `need` pages: what a dropped anchor protected and is not needed
+        now stays as unprotected cache (tier 1)."""
+        for x, a, b in reversed(list(path_ranges(node, lo, hi))):
+            swa, locks, prot = x.swa_pages, x.swa_locks, x.protect_counts
+            for i in range(a, b):
+                s = swa[i]
+                if s is not None and not locks[i] and not prot[i]:
+                    freed.append(s)
+                    swa[i] = None
+                    x.live_swa -= 1
+                    if len(freed) >= need:
+                        return
 
     def _trim_head(self, path: list[Node], keep_from: int) -> None:
         """Eager policy: free the unlocked SWA pages of pages [0, keep_from) of this path."""
@@ -97,9 +130,9 @@ class EvictionMixin:
         self.swa_alloc.free(freed)
 
     # ---- full pool --------------------------------------------------------------------------
-    def evict_full(self, num_pages: int) -> int:
+    def evict_full(self, num_pages: int, dead_only: bool = False) -> int:
         """Free at least num_pages full pages if possible (never a locked node); returns the number freed.
-        The SWA pages of removed pages are freed as well."""
+        The SWA pages of removed pages are freed as well. dead_only: step 1 alone."""
         if num_pages <= 0 or not self.full_cached:
             return 0
         before = self.full_cached
@@ -122,8 +155,8 @@ class EvictionMixin:
             if parent is not self.root and not parent.children and not parent.full_locks \
                     and dead_from(parent) < parent.end_page:
                 heapq.heappush(heap, (parent.last_access, parent.start_page, id(parent), parent))
-        heap = [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
-                if not nd.children and not nd.full_locks]
+        heap = [] if dead_only else [(nd.last_access, nd.start_page, id(nd), nd) for nd in self._nodes
+                                     if not nd.children and not nd.full_locks]
         heapq.heapify(heap)
         while heap and before - self.full_cached < num_pages:  # 2: LRU unlocked leaves
             nd = heapq.heappop(heap)[3]
@@ -168,12 +201,13 @@ class EvictionMixin:
 
     def _drop_anchors_after(self, nd: Node, cut: int) -> None:
         for hi in [h for h in nd.anchors if h > cut]:
-            self._add_protection(nd, nd.anchors.pop(hi), hi, -1)
+            self._forget_anchor(nd, hi)
 
     def _truncate(self, nd: Node, m: int) -> None:
         """Drop all pages of the unlocked leaf nd after its first m."""
         assert not nd.full_locks and not nd.children and 0 < m < len(nd.full_pages)
         self._drop_anchors_after(nd, nd.start_page + m)
+        _remember_lost(nd, page_key(nd.tokens, m, self.page_size))
         dropped_full = nd.full_pages[m:]
         dropped_swa = [s for s in nd.swa_pages[m:] if s is not None]
         nd.tokens = nd.tokens[:m * self.page_size]
@@ -188,7 +222,9 @@ class EvictionMixin:
         """Remove the unlocked leaf nd and free its pages."""
         assert not nd.full_locks and not nd.children and nd.parent is not None
         self._drop_anchors_after(nd, nd.start_page)
-        del nd.parent.children[page_key(nd.tokens, 0, self.page_size)]
+        key = page_key(nd.tokens, 0, self.page_size)
+        del nd.parent.children[key]
+        _remember_lost(nd.parent, key)
         self._nodes.discard(nd)
         nd.evicted = True
         self._free_pages(nd.full_pages, [s for s in nd.swa_pages if s is not None])

@@ -34,16 +34,16 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
             assert ch.live_swa == n - ch.swa_pages.count(None), f"{ch}: live count"
             below = sum(c.full_locks for c in ch.children.values())
             assert ch.handle_locks >= 0 and ch.full_locks == ch.handle_locks + below, f"{ch}: full lock count"
-            for hi, lo in ch.anchors.items():
-                assert ch.start_page < hi <= ch.end_page and 0 <= lo < hi, \
-                    f"{ch}: anchor {lo}..{hi} out of place"
+            for hi, an in ch.anchors.items():
+                assert ch.start_page < hi <= ch.end_page and 0 <= an.lo <= an.core_lo < hi, \
+                    f"{ch}: anchor {an} ending at {hi} out of place"
             for f in ch.full_pages:
-                assert 0 <= f < fa.num_total and f not in seen_full, f"full page {f} twice in the tree"
+                assert 0 <= f < fa.num_ids and f not in seen_full, f"full page {f} twice in the tree"
                 assert not fa.is_free(f), f"full page {f} in the tree and free"
                 seen_full.add(f)
             for s in ch.swa_pages:
                 if s is not None:
-                    assert 0 <= s < sa.num_total and s not in seen_swa, f"SWA page {s} twice in the tree"
+                    assert 0 <= s < sa.num_ids and s not in seen_swa, f"SWA page {s} twice in the tree"
                     assert not sa.is_free(s), f"SWA page {s} in the tree and free"
                     seen_swa.add(s)
             nodes.append(ch)
@@ -58,8 +58,8 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
                 arr = exp_lock[id(x)]
                 for i in range(a, b):
                     arr[i] += nd.handle_locks
-        for hi, lo in nd.anchors.items():
-            for x, a, b in path_ranges(nd, lo, hi):
+        for hi, an in nd.anchors.items():
+            for x, a, b in path_ranges(nd, an.lo, hi):
                 arr = exp_prot[id(x)]
                 for i in range(a, b):
                     arr[i] += 1
@@ -75,9 +75,10 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
     assert cache.swa_cached == len(seen_swa), f"SWA counter {cache.swa_cached} != {len(seen_swa)}"
     assert cache.full_locked == locked_full, f"locked full counter {cache.full_locked} != {locked_full}"
     assert cache.swa_locked == locked_swa, f"locked SWA counter {cache.swa_locked} != {locked_swa}"
+    # pages handed out == held by requests + cached (with a PageAllocator: free + used + cached == total)
     if used_full is not None:
-        assert fa.num_free + used_full + len(seen_full) == fa.num_total, \
-            f"full pool: free {fa.num_free} + used {used_full} + cached {len(seen_full)} != {fa.num_total}"
+        assert fa.num_used == used_full + len(seen_full), \
+            f"full pages: handed out {fa.num_used} != used {used_full} + cached {len(seen_full)}"
     if used_swa is not None:
-        assert sa.num_free + used_swa + len(seen_swa) == sa.num_total, \
-            f"SWA pool: free {sa.num_free} + used {used_swa} + cached {len(seen_swa)} != {sa.num_total}"
+        assert sa.num_used == used_swa + len(seen_swa), \
+            f"SWA pages: handed out {sa.num_used} != used {used_swa} + cached {len(seen_swa)}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from swaserve.engine.kvcache.allocator import PageAllocator
+from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
 
 
@@ -16,7 +16,7 @@ class NaiveCache(PrefixCache):
     * page_size) and reports them as inserted, so the caller frees exactly its pages from
     inserted_len on, as with any cache."""
 
-    def __init__(self, page_size: int, full_alloc: PageAllocator, swa_alloc: PageAllocator):
+    def __init__(self, page_size: int, full_alloc: PagePool, swa_alloc: PagePool):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -52,10 +52,10 @@ class NaiveCache(PrefixCache):
     def unlock(self, handle: CacheHandle) -> None:
         assert handle is self._handle, "a handle of another cache"
 
-    def evict_full(self, num_pages: int) -> int:
+    def evict_full(self, num_pages: int, dead_only: bool = False) -> int:
         return 0
 
-    def evict_swa(self, num_pages: int) -> int:
+    def evict_swa(self, num_pages: int, unprotected_only: bool = False) -> int:
         return 0
 
     def evictable_full(self) -> int:
@@ -74,8 +74,7 @@ class NaiveCache(PrefixCache):
         for alloc, used, name in ((self.full_alloc, used_full, "full"), (self.swa_alloc, used_swa, "SWA")):
             alloc.check()
             if used is not None:
-                assert alloc.num_free + used == alloc.num_total, \
-                    f"{name} pool: free {alloc.num_free} + used {used} != {alloc.num_total}"
+                assert alloc.num_used == used, f"{name} pages: handed out {alloc.num_used} != used {used}"
 
     def reset(self) -> None:
         pass

@@ -12,11 +12,33 @@ from collections.abc import Iterator
 from swaserve.engine.kvcache.base import CacheHandle
 
 
+class Anchor:
+    """A retained reuse point: protects the SWA pages [lo, hi) of its node's root path (hi is its key in
+    Node.anchors). [core_lo, hi) is the window a request diverging at the anchor needs; [lo, core_lo) is
+    the divergence slack (--swa-retain-budget), given up first under pressure. Retention order
+    (retention.py) reads the reuse history: last_use and interval in match() calls."""
+
+    __slots__ = ("lo", "core_lo", "key", "last_use", "interval", "branched")
+
+    def __init__(self, lo: int, core_lo: int, key: int, last_use: int, interval: int | None, branched: bool):
+        self.lo = lo  # first protected page (<= core_lo)
+        self.core_lo = core_lo  # first page of the window itself
+        self.key = key  # hash of the token prefix [0, hi * page_size): remembered after eviction
+        self.last_use = last_use  # match clock of the creation or the last reuse through this anchor
+        self.interval = interval  # match calls between its last two uses; None: never reused
+        self.branched = branched  # requests were seen to diverge here (a radix branch point, ever)
+
+    def __repr__(self) -> str:
+        return (f"Anchor(lo={self.lo}, core={self.core_lo}, last={self.last_use}, every={self.interval}"
+                f"{', branched' if self.branched else ''})")
+
+
 class Node(CacheHandle):
     """One radix edge of whole pages; also the handle that match() and insert() return."""
 
     __slots__ = ("parent", "children", "tokens", "full_pages", "swa_pages", "swa_locks", "protect_counts",
-                 "anchors", "start_page", "last_access", "full_locks", "handle_locks", "live_swa", "evicted")
+                 "anchors", "start_page", "last_access", "full_locks", "handle_locks", "live_swa", "evicted",
+                 "lost_keys")
 
     def __init__(self, parent: Node | None, start_page: int, tokens: list[int], full_pages: list[int],
                  swa_pages: list[int | None], last_access: int):
@@ -28,14 +50,17 @@ class Node(CacheHandle):
         self.swa_pages = swa_pages  # [n] SWA-pool page ids, None where evicted (tombstone)
         self.swa_locks = [0] * n  # [n] locked handles whose last window covers the page
         self.protect_counts = [0] * n  # [n] anchors whose protected range covers the page
-        # end page -> first protected page (absolute, start_page < end <= end_page): protects [first, end)
-        self.anchors: dict[int, int] = {}
+        # end page hi (absolute, start_page < hi <= end_page) -> the anchor protecting [anchor.lo, hi)
+        self.anchors: dict[int, Anchor] = {}
         self.start_page = start_page
         self.last_access = last_access  # of this node or anything below it (max over the subtree)
         self.full_locks = 0  # locked handles at or below this node
         self.handle_locks = 0  # locked handles exactly at this node
         self.live_swa = n - swa_pages.count(None)  # live SWA pages
         self.evicted = False
+        # first-page keys of children evicted from this node's end (a few): a new child with another
+        # key is a divergence even when the old continuation is gone
+        self.lost_keys: set[tuple[int, ...]] = set()
 
     @property
     def end_page(self) -> int:

@@ -4,9 +4,9 @@ Reuse rule: a prefix can be reused up to a page-aligned X <= len(ids) - 1 only i
 cover [0, X) and live SWA pages cover the pages of [max(0, X - window), X). match() returns the
 largest such X, walking back from the deepest full-KV match when the window there is gone.
 
-Retention: anchors (prompt ends, caller-given message starts, radix branch points) protect the
-SWA pages of [align_down(A) - window - swa_retain_tokens, A); see eviction.py for the eviction
-order.
+Retention: anchors (prompt ends, finished sequence ends, caller-given message starts, radix branch
+points) protect the SWA pages of [align_down(A) - window - swa_retain_tokens, A); retention.py orders
+them, eviction.py evicts.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from swaserve.engine.kvcache.allocator import PageAllocator
+from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
 from swaserve.engine.kvcache.eviction import EvictionMixin
 from swaserve.engine.kvcache.integrity import check_cache
 from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_ranges
+from swaserve.engine.kvcache.retention import RetentionMixin
 
 
-class SWARadixCache(EvictionMixin, PrefixCache):
+class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
     """Radix tree at page granularity; each page holds a full page id and an SWA page id or None.
     The caller protocol is in engine/kvcache/base.py."""
 
-    def __init__(self, page_size: int, window: int, full_alloc: PageAllocator, swa_alloc: PageAllocator,
-                 swa_retain_tokens: int = 512, policy: str = "lazy"):
+    def __init__(self, page_size: int, window: int, full_alloc: PagePool, swa_alloc: PagePool,
+                 swa_retain_tokens: int = 512, policy: str = "lazy", anchors: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if window < 1:
@@ -40,6 +41,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         self.window = window
         self.swa_retain_tokens = swa_retain_tokens  # divergence before an anchor whose window is kept
         self.retain_policy = policy
+        self.use_anchors = anchors  # False: no anchor of any kind (the ablation benchmarks compare against)
         self.full_alloc = full_alloc
         self.swa_alloc = swa_alloc
         self._clock = 0
@@ -48,6 +50,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         self._init_tree()
 
     def _init_tree(self) -> None:
+        self._init_retention()
         self.root = Node(None, 0, [], [], [], 0)
         self._nodes: set[Node] = set()  # every node but the root
         self.full_cached = 0  # full pages in the tree
@@ -68,6 +71,7 @@ class SWARadixCache(EvictionMixin, PrefixCache):
     def match(self, token_ids: Sequence[int]) -> Match:
         """Largest reusable prefix (see the module docstring); updates access times, does not lock."""
         self.match_calls += 1
+        self.match_clock += 1
         self.query_tokens += len(token_ids)
         P = self.page_size
         max_pages = (len(token_ids) - 1) // P if token_ids else 0
@@ -98,6 +102,8 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         k = self._deepest_reuse_end(swa, p)
         handle = self._node_ending_at(path, k)
         self._touch(handle)
+        if k:
+            self._credit([handle, *path], k, p)
         lo = self.window_start(k)
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])
@@ -186,8 +192,10 @@ class SWARadixCache(EvictionMixin, PrefixCache):
             key = page_key(ids, p, P)
             child = node.children.get(key)
             if child is None:
-                if node.children and node.parent is not None:
+                lost = node.lost_keys and key not in node.lost_keys  # another continuation was here
+                if node.parent is not None and (node.children or lost):
                     branches.append(node)  # observed divergence at node.end_page
+                node.lost_keys.discard(key)
                 child = Node(node, p, ids[p * P:n * P], list(full_pages[p:n]), list(swa_pages[p:n]), now)
                 node.children[key] = child
                 self._nodes.add(child)
@@ -207,16 +215,18 @@ class SWARadixCache(EvictionMixin, PrefixCache):
         if free_swa:
             self.swa_alloc.free(free_swa)
         handle = path[-1] if path else self.root
-        for nd in branches:
-            self._add_anchor(nd, nd.end_page, nd.end_page * P)
-        ends = [nd.end_page for nd in path]
         extra = [prompt_len] if prompt_len is not None else []
         if finished:
             extra.append(len(ids))
+        if not self.use_anchors:
+            branches, anchors, extra = [], (), []
+        for nd in branches:
+            self._add_anchor(nd, nd.end_page, nd.end_page * P, ids, branch=True)
+        ends = [nd.end_page for nd in path]
         for a in (*anchors, *extra):
             if 0 < a <= len(ids) and n > 0:
                 hi = min(-(-a // P), n)
-                self._add_anchor(path[bisect.bisect_left(ends, hi)], hi, a)
+                self._add_anchor(path[bisect.bisect_left(ends, hi)], hi, a, ids)
         if finished and self.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
             self._trim_head(path, max(end - self.window - self.swa_retain_tokens, 0) // P)
@@ -252,20 +262,6 @@ class SWARadixCache(EvictionMixin, PrefixCache):
                     self.swa_locked += 1
             else:
                 free_swa.append(c)
-
-    def _add_anchor(self, node: Node, hi: int, a: int) -> None:
-        """Anchor at token offset a on node (start_page < hi <= end_page): protect pages [lo, hi)."""
-        P = self.page_size
-        lo = max(0, (a // P) * P - self.window - self.swa_retain_tokens) // P
-        old = node.anchors.get(hi)
-        if old is not None and old <= lo:
-            return
-        node.anchors[hi] = lo
-        self._add_protection(node, lo, hi if old is None else old, 1)
-
-    def _add_protection(self, node: Node, lo: int, hi: int, d: int) -> None:
-        for nd, a, b in path_ranges(node, lo, hi):
-            nd.protect_counts[a:b] = [q + d for q in nd.protect_counts[a:b]]
 
     # ---- locks ------------------------------------------------------------------------------
     def lock(self, handle: CacheHandle) -> None:

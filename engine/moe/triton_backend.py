@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from swaserve.engine.config import ModelConfig
+from swaserve.engine.fused.moe_kernels import align_on_device
 from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.triton_q4 import (
@@ -126,6 +127,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     tk = flat.numel()
     dev = flat.device
     nb = tk // block_m + min(num_experts, tk) + 1
+    aligned = align_on_device(flat, num_experts, block_m, nb)  # one launch (decode-sized batches)
+    if aligned is not None:
+        return aligned
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync on CUDA)
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
@@ -151,13 +155,15 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     intermediate_size: int,  # I
     block_m: int | None = None,  # rows per block of the sorted assignments (None: by batch size)
-) -> torch.Tensor:  # [T, H] in x's dtype
+    out_dtype: torch.dtype | None = None,  # None: x's dtype
+    summed: bool = True,  # False: the weighted rows per assignment, [T, K, H] fp32 (a caller sums them)
+) -> torch.Tensor:  # [T, H] in out_dtype
     """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E = gate_up[0].shape[0]
     if T == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=out_dtype or x.dtype) if summed else x.new_zeros(0, K, H).float()
     if x.stride(1) != 1:
         x = x.contiguous()
     bm, bn, bk, warps = moe_blocks(T * K, E)
@@ -180,7 +186,9 @@ def fused_moe(
         act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
         FMT=WEIGHT_FORMATS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
-    return out.view(T, K, H).sum(1).to(x.dtype)
+    if not summed:
+        return out.view(T, K, H)
+    return out.view(T, K, H).sum(1).to(out_dtype or x.dtype)
 
 
 def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -215,3 +223,8 @@ class TritonMoE(MoEBackend):
     ) -> torch.Tensor:  # [T, H]
         return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights,
                          self.intermediate_size, self.block_m)
+
+    def forward_unsummed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                         ) -> torch.Tensor:  # [T, K, H] fp32 weighted expert rows: the fused tail sums them
+        return fused_moe(x, self.gate_up[layer], self.down[layer], topk_ids, topk_weights,
+                         self.intermediate_size, self.block_m, summed=False)

@@ -122,6 +122,17 @@ def _views(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return cached[1], cached[2]
 
 
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr):
+    # y[i] = sum_s part[s, i] in fp32, stored in y's dtype   part [splits, numel], y [numel]
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Output/partial buffers (tests replace this to poison them with NaN)."""
     return torch.empty(*shape, dtype=dtype, device=device)
@@ -178,8 +189,9 @@ def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = No
             x2, wb, wh, part, M, N, K, k_per_split, x2.stride(0), stride_wn,
             FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         )
-        y = part.sum(0) if splits > 1 else part[0]
-        return y.to(out_dtype).reshape(*lead, N)
+        y = empty(M, N, dtype=out_dtype, device=x.device)
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, y, M * N, splits, BLOCK=1024)  # sum + cast
+        return y.reshape(*lead, N)
     y = empty(M, N, dtype=out_dtype, device=x.device)
     bm, bn, bk, warps = gemm_blocks(M)
     _gemm_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swaserve.engine.core import Req
-from swaserve.engine.kvcache import PageAllocator, PrefixCache
+from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -22,19 +22,25 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, cache: PrefixCache, full_alloc: PageAllocator, swa_alloc: PageAllocator,
+    def __init__(self, cache: PrefixCache, full_alloc: PagePool, swa_alloc: PagePool,
                  page_size: int, window: int):
         self.cache = cache
         self.full_alloc = full_alloc
         self.swa_alloc = swa_alloc
         self.page_size = page_size
         self.window = window
+        # the arena both kinds are carved from (None: two separate pools)
+        self.arena: Arena | None = full_alloc.arena if isinstance(full_alloc, ArenaPages) else None
+        assert self.arena is None or (isinstance(swa_alloc, ArenaPages) and swa_alloc.arena is self.arena)
+        self.on_admit: Callable[[Req, Match], None] | None = None  # sees each match before anything evicts
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
         """Match the request's tokens against the cache and lock the hit; returns the reused length."""
         assert req.handle is None and not req.full_pages
         m = self.cache.match(req.token_ids)
+        if self.on_admit is not None:
+            self.on_admit(req, m)
         self.cache.lock(m.handle)
         req.handle = m.handle
         req.num_computed = req.tree_len = m.reused_len
@@ -51,28 +57,82 @@ class KVManager:
         self._reset(req)
 
     # ---- allocation -----------------------------------------------------------------------
-    def _alloc(self, alloc: PageAllocator, evict: Callable[[int], int], n: int) -> list[int] | None:
+    def _alloc(self, alloc: PagePool, n: int) -> list[int] | None:
+        """n pages of one kind, evicting cached pages when the kind is short (see make_room)."""
         if n <= 0:
             return []
         pages = alloc.alloc(n)
         if pages is None:
-            evict(n - alloc.num_free)
+            self.make_room(alloc, n)
             pages = alloc.alloc(n)
         return pages
 
+    def make_room(self, alloc: PagePool, n: int) -> None:
+        """Evict cached pages until alloc can hand out n pages, or nothing more helps.
+
+        Separate pools: each kind evicts its own pages (the cache's order). One arena: the kinds
+        share the blocks, so the cheapest memory of either kind goes first. For full pages: KV no
+        window can reach (useless), then unprotected SWA pages (each frees a block of
+        full_per_block full pages), then windows in the cache's retention order, then full KV the
+        dropped windows left unreachable, then live full KV (LRU leaves). For SWA pages (whole
+        blocks): useless full KV, then SWA pages in the cache's retention order, then full KV that
+        left unreachable, then live full KV until whole blocks come free. Live full KV goes last
+        because a full leaf takes its windows with it and its pages are spread over blocks (freeing
+        them frees few whole blocks); on the cache_sim traces evicting it before windows lost most
+        of the reuse."""
+        cache = self.cache
+        arena = self.arena
+        if arena is None:
+            evict = cache.evict_full if alloc is self.full_alloc else cache.evict_swa
+            evict(n - alloc.num_free)
+            return
+        k = arena.full_per_block
+
+        def short() -> int:
+            return n - alloc.num_free
+
+        if alloc is self.full_alloc:
+            steps: list[Callable[[int], int]] = [
+                lambda d: cache.evict_full(d, dead_only=True),
+                lambda d: cache.evict_swa(_cdiv(d, k), unprotected_only=True),
+                lambda d: cache.evict_swa(_cdiv(d, k)),
+                lambda d: cache.evict_full(d, dead_only=True),
+                cache.evict_full]
+            for step in steps:
+                if short() <= 0:
+                    return
+                step(short())
+            return
+        if arena.swa_blocks + n > arena.swa_cap:  # at the cap: only SWA pages can make room
+            cache.evict_swa(short())
+            return
+        if short() > 0:
+            cache.evict_full(short() * k, dead_only=True)
+        if short() > 0:
+            cache.evict_swa(short())
+        if short() > 0:  # windows just given up may have left full KV no window reaches
+            cache.evict_full(short() * k, dead_only=True)
+        while short() > 0 and cache.evict_full(short() * k):
+            pass
+
     def grow(self, req: Req, new_len: int) -> bool:
-        """Give req pages (both pools) for positions [0, new_len); False (nothing allocated) if the
+        """Give req pages (both kinds) for positions [0, new_len); False (nothing allocated) if the
         pools cannot, even after evicting cached pages."""
         need = _cdiv(new_len, self.page_size) - len(req.full_pages)
         if need <= 0:
             return True
-        full = self._alloc(self.full_alloc, self.cache.evict_full, need)
-        if full is None:
-            return False
-        swa = self._alloc(self.swa_alloc, self.cache.evict_swa, need)
-        if swa is None:
-            self.full_alloc.free(full)
-            return False
+        # an arena: SWA pages first (they need whole blocks; full pages also fit in partly used ones)
+        arena = self.arena is not None
+        kinds = [self.swa_alloc, self.full_alloc] if arena else [self.full_alloc, self.swa_alloc]
+        got: list[list[int]] = []
+        for alloc in kinds:
+            pages = self._alloc(alloc, need)
+            if pages is None:
+                for a, p in zip(kinds, got):
+                    a.free(p)
+                return False
+            got.append(pages)
+        full, swa = (got[1], got[0]) if arena else (got[0], got[1])
         req.full_pages.extend(full)
         req.swa_pages.extend(swa)
         return True

@@ -235,3 +235,42 @@ def test_server_process_that_dies_reports_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited before becoming healthy"):
         with srv:
             pass
+
+
+def test_plots_against_fake_servers(fake_servers, tmp_path):
+    """--plot: the three charts as PNGs, and the series drawn in them taken from the run's records."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install 'swaserve[plot]')")
+    from swaserve.bench import serve_plot
+
+    args = _args(*SMALL, "--max-concurrency", "1", "--plot", str(tmp_path / "plots"))
+    bench = BenchRunner(args, serve_bench._validate(args))
+    for name in ("lazy", "naive"):
+        bench.run_against(name, fake_servers[name].url, [])
+    paths = serve_plot.write_plots(bench.runs, bench.divergence, args.plot)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["ttft.png", "sweep.png", "cached-share.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    series, prompts = serve_plot.sweep_series(bench.runs, bench.divergence)
+    assert series["lazy"][0] == [3, 8, 64] and all(c > 0 for c in series["lazy"][1])
+    assert series["naive"][1] == [0, 0, 0]
+    assert sorted(prompts) == [3, 8, 64] and prompts[64] > prompts[3]  # longer tails, longer prompts
+    tags, ttft = serve_plot.ttft_series(bench.runs, "fanout")
+    assert tags == ["first", "non-first"] and set(ttft) == {"lazy", "naive"}
+    lazy_med = ttft["lazy"][0][tags.index("non-first")]
+    naive_med = ttft["naive"][0][tags.index("non-first")]
+    assert 0 < lazy_med < naive_med  # the fake lazy server is faster on what it reuses
+    share = serve_plot.cached_share_series(bench.runs, "fanout")
+    xs, ys = share["naive"]
+    assert xs == sorted(xs) and xs[0] == 0 and set(ys) == {0.0}
+    assert max(share["lazy"][1]) > 0.5
+    fanout = next(r for r in bench.runs if r["config"] == "lazy" and r["workload"] == "fanout")
+    assert len(share["lazy"][0]) == len(fanout["results"])
+
+
+def test_plot_flag_is_checked_up_front(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    args = _args("--plot", str(f))
+    with pytest.raises(ValueError, match="not a directory"):
+        serve_bench._validate(args)

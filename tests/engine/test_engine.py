@@ -24,6 +24,10 @@ def assert_pages_returned(engine) -> None:
     for pool in ("full_pool", "swa_pool"):
         assert s[pool]["used"] == 0, s
         assert s[pool]["cached"] + s[pool]["free"] == s[pool]["total"], s
+    a = s["arena"]
+    assert a["blocks_free"] + a["blocks_full"] + a["blocks_swa"] == a["blocks_total"], a
+    assert s["swa_pool"]["total"] == a["blocks_swa"]
+    assert s["full_pool"]["total"] == a["blocks_full"] * a["full_per_block"]
     engine.scheduler.check_integrity()
     engine.cache.check_integrity(used_full=0, used_swa=0)
 
@@ -82,14 +86,23 @@ def test_prefix_hit_fanout_and_append_equal_uncached(radix, naive):
     assert_pages_returned(radix.engine)
 
 
-def test_preemption_gives_identical_outputs(prompts, alone):
-    # full pool of 768 tokens, far less than 16 requests of up to 250 + 10 tokens
-    small = LLM(cache_type="radix", chunked_prefill_size=CHUNK, max_running_requests=16,
-                full_tokens=768, swa_tokens=16 * (W + 32) + CHUNK + 16)
-    outs = small.generate(prompts, [greedy(6 + i % 5) for i in range(len(prompts))])
+def test_preemption_gives_identical_outputs(naive):
+    # the smallest KV arena that holds 8 running windows (57 blocks of 5 full pages): 8 requests of
+    # ~200 + 24 tokens decoding together hold 48 blocks of SWA pages (their windows) and need ~23 blocks
+    # of full pages, so some are preempted; the reference is the naive cache's batch (batched == alone
+    # is test_batched_equals_alone)
+    rng = random.Random(1)
+    vocab = naive.tokenizer.vocab_size
+    long = [[2] + [rng.randrange(3, vocab) for _ in range(rng.randrange(180, 220))] for _ in range(8)]
+    params = [greedy(20 + i % 5) for i in range(len(long))]
+    reference = [o.token_ids for o in naive.generate(long, params)]
+    small = LLM(cache_type="radix", chunked_prefill_size=CHUNK, max_running_requests=8,
+                full_tokens=160, swa_tokens=8 * (W + 32) + CHUNK + 16)
+    assert small.engine.arena.num_blocks == 57
+    outs = small.generate(long, params)
     assert small.engine.scheduler.num_preemptions > 0
     for i, o in enumerate(outs):
-        assert o.token_ids == alone[i], i
+        assert o.token_ids == reference[i], i
     assert_pages_returned(small.engine)
 
 
@@ -205,7 +218,9 @@ def test_n_choices_logprobs_and_stats(radix, prompts):
     assert eng.flush_cache()
     s = eng.stats()
     for pool in ("full_pool", "swa_pool"):
-        assert s[pool]["free"] == s[pool]["total"]
+        assert s[pool]["total"] == s[pool]["free"] == s[pool]["cached"] == 0  # every block returned
+        assert s[pool]["allocatable"] == s[pool]["capacity"]
+    assert s["arena"]["blocks_free"] == s["arena"]["blocks_total"]
 
 
 def test_text_stream_holds_back_and_cuts(radix):

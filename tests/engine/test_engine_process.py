@@ -119,3 +119,33 @@ def test_a_dead_engine_fails_streams_instead_of_hanging():
         assert not c.is_alive()
     finally:
         c.shutdown()
+
+
+def test_cache_state_over_the_pipe(client):
+    """GET /v1/cache/state's engine call: walked in the engine process between steps, even while a
+    request runs; totals agree with the pool stats, the recent requests carry their reuse reasons."""
+    shared = [2] + [(5 * j) % 700 + 3 for j in range(70)]
+
+    async def main():
+        await client.flush_cache()
+        await _collect(client, "s0", shared + list(range(11, 31)), greedy(2))  # whole pages past `shared`
+        agen = _collect(client, "s1", shared + [21, 22, 23, 24], greedy(30))
+        task = asyncio.create_task(agen)
+        await asyncio.sleep(0.05)
+        during = await client.cache_state(4)  # sliced between the steps of s1
+        await task
+        return during, await client.cache_state(64)
+
+    during, st = asyncio.run(main())
+    assert during["tree"] and len(during["nodes"]) <= 4 and during["slices"] >= 1
+    s = client.stats()
+    assert st["totals"]["full_pages"] == s["full_pool"]["cached"]
+    assert st["totals"]["swa_live_pages"] == s["swa_pool"]["cached"]
+    assert st["consistent"] and st["pools"]["full_pool"]["cached"] == s["full_pool"]["cached"]
+    recent = {r["request_id"]: r for r in st["recent_requests"]}
+    page = st["page_size"]
+    assert recent["s0"]["cached_tokens"] == 0 and recent["s0"]["reason"] == "no_match"
+    assert recent["s1"]["matched_tokens"] == len(shared)
+    assert recent["s1"]["cached_tokens"] == len(shared) // page * page
+    assert recent["s1"]["reason"] == ("page_alignment" if len(shared) % page else "no_match")
+    assert st["pool_history"] and set(st["pool_history"][-1]) == {"time", "full_pool", "swa_pool"}

@@ -73,9 +73,11 @@ def test_json_embedded_in_lark(llm):
 
 
 def test_preemption_keeps_matchers_in_step(llm):
-    """Tight pools force preemption (re-admission and re-prefill); greedy outputs equal the runs alone."""
-    small = LLM(chunked_prefill_size=CHUNK, max_running_requests=16, cpu_threads=1,
-                full_tokens=768, swa_tokens=16 * (W + 32) + CHUNK + 16)
+    """A tight KV arena forces preemption (re-admission and re-prefill); greedy outputs equal the runs
+    alone. The smallest arena for 8 running windows: their windows take most of it, so their full
+    pages do not fit beside them."""
+    small = LLM(chunked_prefill_size=CHUNK, max_running_requests=8, cpu_threads=1,
+                full_tokens=160, swa_tokens=8 * (W + 32) + CHUNK + 16)
     prompts = [[2] + [100 + (i * 37 + j) % 2000 for j in range(60 + 13 * i)] for i in range(10)]
     params = SamplingParams(max_tokens=200, temperature=0.0, grammar=SPEC)
     outs = small.generate(prompts, params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swaserve.engine.attention.kv_pool import bytes_per_token
+from swaserve.engine.attention.kv_pool import arena_geometry, bytes_per_token
 from swaserve.engine.builder import min_swa_pages, plan_kv_pools
 from swaserve.engine.config import CacheConfig, SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
@@ -16,20 +16,29 @@ CPU = torch.device("cpu")
 
 
 def test_pool_sizing_modes():
+    """One KV arena: blocks of one SWA page's bytes (or full_per_block full pages); the ratio only caps
+    the SWA blocks when given."""
     cfg = preset_config("small", vocab_size=1000)
     sched = SchedulerConfig(max_running_requests=4, chunked_prefill_size=512)
     need = min_swa_pages(cfg, 16, sched)
     assert need == 4 * (1024 // 16 + 2) + 512 // 16 + 1
-    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU)  # default on CPU
-    assert d.full_pages * 16 == 32768 and d.swa_pages == max(need, 32768 // 4 // 16)
+    k, full_record, swa_record = arena_geometry(cfg)
+    bf, bs = bytes_per_token(cfg, torch.float32)
+    assert k >= 1 and k * full_record == swa_record and bs == swa_record * 4 and bf <= full_record * 4
+    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU)  # default on CPU: 32768 full + a quarter SWA
+    assert d.full_per_block == k and d.num_blocks == -(-32768 // (16 * k)) + 32768 // 4 // 16
+    assert d.swa_cap == d.num_blocks and d.block_bytes == 16 * swa_record * d.dtype.itemsize
     e = plan_kv_pools(cfg, CacheConfig(full_tokens=100_000, swa_tokens=30_000), sched, 32768, CPU)
-    assert (e.full_pages, e.swa_pages) == (100_000 // 16, 30_000 // 16)
+    assert e.num_blocks == -(-100_000 // (16 * k)) + -(-30_000 // 16) and e.swa_cap == e.num_blocks
     g = plan_kv_pools(cfg, CacheConfig(kv_cache_memory_gb=1.0, swa_full_tokens_ratio=0.5), sched, 32768, CPU)
+    assert 2**30 - g.block_bytes < g.num_blocks * g.block_bytes <= 2**30
     bf, bs = bytes_per_token(cfg, g.dtype)
-    used = g.full_pages * 16 * bf + g.swa_pages * 16 * bs
-    assert 0.99 * 2**30 <= used <= 2**30 and abs(g.swa_pages / g.full_pages - 0.5) < 0.01
+    assert g.swa_cap == int(int(2**30 / (bf + 0.5 * bs)) * 0.5) // 16 < g.num_blocks  # the cap of a split
     with pytest.raises(ValueError, match="--max-running-requests 4 windows of 1024 tokens"):
-        plan_kv_pools(cfg, CacheConfig(full_tokens=8192, swa_tokens=2048), sched, 32768, CPU)
+        plan_kv_pools(cfg, CacheConfig(full_tokens=160, swa_tokens=2048), sched, 32768, CPU)
+    with pytest.raises(ValueError, match="SWA capped"):  # room enough, but the cap forbids the windows
+        plan_kv_pools(cfg, CacheConfig(full_tokens=500_000, swa_tokens=2048, swa_full_tokens_ratio=0.01),
+                      sched, 32768, CPU)
 
 
 def _req(rid: str, n_tokens: int, full: list[int], swa: list[int | None]) -> Req:

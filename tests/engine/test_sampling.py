@@ -254,3 +254,32 @@ def test_bitmask_unpacking_paths_agree():
                                                                   for row in allowed]
     assert unpack_bitmask_torch(bitmask, 300).tolist() == allowed
     assert unpack_bitmask_torch(~bitmask, 300).tolist() == [[not a for a in row] for row in allowed]
+
+
+def test_candidate_path_draws_what_the_full_vocabulary_path_draws():
+    """With every row's top_k set, the sampler filters and draws over the top-k candidates only; the
+    tokens must be those of the whole-vocabulary path with the same seeds (ties included)."""
+    from swaserve.engine.sampling import _sample_candidates, _sample_full
+
+    rng = torch.Generator().manual_seed(7)
+    V = 5000
+    ties = 0
+    for trial in range(60):
+        S = 1 + trial % 5
+        z = torch.randn(S, V, generator=rng) * (0.5 + trial % 4)
+        if trial % 3 == 0:  # ties: coarse logits
+            z = torch.round(z * 2) / 2
+        if trial % 7 == 0:  # a grammar-like mask leaving fewer tokens than top_k
+            z[:, 40:] = float("-inf")
+        sp = [SamplingParams(temperature=1.0, top_k=int(torch.randint(1, 300, (), generator=rng)),
+                             top_p=[1.0, 0.95, 0.5, 0.1][(trial + b) % 4],
+                             min_p=[0.0, 0.05][(trial + b) % 2]) for b in range(S)]
+        kmax = max(p.top_k for p in sp)
+        seeds = [trial * 10 + b for b in range(S)]
+        full = _sample_full(z.clone(), sp, [make_generator(s) for s in seeds])
+        cand = _sample_candidates(z.clone(), sp, kmax, [make_generator(s) for s in seeds])
+        if cand is None:  # a tie across the candidates' edge: sample() takes the full path
+            ties += 1
+            continue
+        assert full.tolist() == cand.tolist(), (trial, [p.top_k for p in sp])
+    assert 0 < ties < 30  # both paths were exercised

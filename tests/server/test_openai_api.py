@@ -248,6 +248,10 @@ def test_metrics_exposed(server: LiveServer, client: openai.OpenAI):
               if line and not line.startswith("#")}
     assert values['swaserve:generation_tokens_total{model_name="swaserve-test"}'] >= 2
     assert values["swaserve:e2e_request_latency_seconds_count"] >= 1
+    blocks = {st: values[f'swaserve:kv_arena_blocks{{model_name="swaserve-test",state="{st}"}}']
+              for st in ("total", "free", "full", "swa")}
+    assert blocks["free"] + blocks["full"] + blocks["swa"] == blocks["total"] > 0
+    assert values['swaserve:kv_cache_pages{model_name="swaserve-test",pool="full",state="capacity"}'] > 0
 
 
 def test_one_info_line_per_request(client: openai.OpenAI, caplog):

@@ -63,7 +63,7 @@ def test_loads_endpoint_on_the_live_server(server: LiveServer, engine):
         assert r.status_code == 200
         (rank,) = r.json()["loads"]
         st = engine.stats()
-        assert rank["max_total_num_tokens"] == st["full_pool"]["total"] * st["page_size"] > 0
+        assert rank["max_total_num_tokens"] == st["full_pool"]["capacity"] * st["page_size"] > 0
         assert rank["num_running_reqs"] == 0 and rank["num_waiting_reqs"] == 0
         assert rank["active_token_usage"] == 0.0  # idle: nothing held by requests
         assert 0.0 < rank["token_usage"] <= 1.0  # ...but the prefix cache keeps the finished request

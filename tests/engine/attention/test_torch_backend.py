@@ -9,17 +9,17 @@ import torch
 
 import swaserve.engine.attention.torch_backend as tb
 from swaserve.engine.attention.base import AttentionMetadata
-from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.attention.kv_pool import ArenaKVPool, KVPool, arena_geometry
 from swaserve.engine.attention.torch_backend import TorchAttentionBackend
 from swaserve.engine.config import ModelConfig
 
 H = 4
 
 
-def _cfg(window: int, kvh_swa: int = 2, kvh_full: int = 1) -> ModelConfig:
+def _cfg(window: int, kvh_swa: int = 2, kvh_full: int = 1, head_dim_full: int = 32) -> ModelConfig:
     return ModelConfig(
         vocab_size=16, hidden_size=32, num_layers=2, num_heads=H, layer_types=("sliding", "full"),
-        head_dim_swa=16, head_dim_full=32, num_kv_heads_swa=kvh_swa, num_kv_heads_full=kvh_full,
+        head_dim_swa=16, head_dim_full=head_dim_full, num_kv_heads_swa=kvh_swa, num_kv_heads_full=kvh_full,
         sliding_window=window, intermediate_size=8, moe_intermediate_size=8, num_experts=2, top_k_experts=1,
     )
 
@@ -45,22 +45,39 @@ def _brute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
     return out
 
 
+def make_pool(cfg: ModelConfig, n_pages: int, P: int, kv_dtype: torch.dtype, layout: str,
+              rng: random.Random) -> tuple[KVPool, list[int], list[int]]:
+    """A pool with room for n_pages of each kind, and shuffled page ids of each kind to use (in an
+    arena: SWA pages and full pages in disjoint blocks, full pages scattered over their blocks)."""
+    if layout == "split":
+        pool = KVPool(cfg, n_pages, n_pages, P, kv_dtype, torch.device("cpu"))
+        ids_full, ids_swa = list(range(n_pages)), list(range(n_pages))
+    else:
+        k = arena_geometry(cfg)[0]
+        blocks = list(range(n_pages + -(-n_pages // k) + 2))
+        pool = ArenaKVPool(cfg, len(blocks), P, kv_dtype, torch.device("cpu"))
+        rng.shuffle(blocks)
+        ids_swa = blocks[:n_pages]
+        ids_full = [b * k + j for b in blocks[n_pages:] for j in range(k)]
+    rng.shuffle(ids_full)
+    rng.shuffle(ids_swa)
+    for t in pool.tensors():
+        t.normal_()  # garbage everywhere: reading a wrong slot shows up
+    return pool, ids_full, ids_swa
+
+
 def _run_case(page_size: int, window: int, prefixes: list[int], q_lens: list[int], seed: int,
               kv_dtype: torch.dtype = torch.float32, tol: float = 1e-5,
-              be: TorchAttentionBackend | None = None) -> None:
+              be: TorchAttentionBackend | None = None, layout: str = "split", kvh_swa: int = 2,
+              head_dim_full: int = 32) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cfg = _cfg(window)
+    cfg = _cfg(window, kvh_swa=kvh_swa, head_dim_full=head_dim_full)
     P = page_size
     seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
     max_pages = max((s + P - 1) // P for s in seq_lens)
     n_pages = sum((s + P - 1) // P for s in seq_lens) + 3
-    pool = KVPool(cfg, n_pages, n_pages, P, kv_dtype, torch.device("cpu"))
-    for t in (pool.full_k, pool.full_v, pool.swa_k, pool.swa_v):
-        t.normal_()  # garbage everywhere: reading a wrong slot shows up
-    ids_full, ids_swa = list(range(n_pages)), list(range(n_pages))
-    rng.shuffle(ids_full)
-    rng.shuffle(ids_swa)
+    pool, ids_full, ids_swa = make_pool(cfg, n_pages, P, kv_dtype, layout, rng)
     full_pt = torch.full((len(prefixes), max_pages), -1, dtype=torch.int64)
     swa_pt = torch.full((len(prefixes), max_pages), -1, dtype=torch.int64)
     dense: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -109,12 +126,24 @@ def _run_case(page_size: int, window: int, prefixes: list[int], q_lens: list[int
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_mixed_batch_prefill_and_decode(page_size: int) -> None:
+@pytest.mark.parametrize("layout", ["split", "arena"])
+def test_mixed_batch_prefill_and_decode(page_size: int, layout: str) -> None:
     # decodes beyond and within the window, prefills with and without cached prefix, one
-    # prefill longer than the window, one chunk starting mid-page
+    # prefill longer than the window, one chunk starting mid-page; in an arena (2 full pages per
+    # block here) every layer's K and V are strided views into one buffer
     prefixes = [0, 13, 37, 5, 0, 50, 21, 1]
     q_lens = [9, 1, 1, 20, 1, 31, 1, 7]
-    _run_case(page_size, window=8, prefixes=prefixes, q_lens=q_lens, seed=page_size)
+    _run_case(page_size, window=8, prefixes=prefixes, q_lens=q_lens, seed=page_size, layout=layout,
+              kvh_swa=4 if layout == "arena" else 2)
+
+
+def test_arena_layout_bf16_and_padding() -> None:
+    # bf16, and a geometry where the SWA record is not a multiple of the full one (padded full records)
+    _run_case(4, window=6, prefixes=[9, 0, 30], q_lens=[1, 11, 1], seed=4, kv_dtype=torch.bfloat16, tol=1e-4,
+              layout="arena", kvh_swa=4, head_dim_full=48)
+    # SWA 2 x 4 x 16 = 128 elements a token, full 2 x 1 x 48 = 96: one full page a block, padded to 128
+    assert arena_geometry(_cfg(6, kvh_swa=4, head_dim_full=48)) == (1, 128, 128)
+    assert arena_geometry(_cfg(6, kvh_swa=4, head_dim_full=24)) == (2, 64, 128)
 
 
 @pytest.mark.parametrize("window", [1, 3, 16, 64])

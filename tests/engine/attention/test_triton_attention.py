@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from swaserve.engine.attention.base import AttentionMetadata
-from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.attention.kv_pool import ArenaKVPool, KVPool, arena_geometry
 from swaserve.engine.config import ModelConfig
 
 if not torch.cuda.is_available():
@@ -65,17 +65,24 @@ class Case:
 
 
 def make_case(seed: int, cfg: ModelConfig, q_lens: list[int], prefix_lens: list[int], page: int,
-              dtype: torch.dtype, q_dtype: torch.dtype | None = None) -> Case:
+              dtype: torch.dtype, q_dtype: torch.dtype | None = None, layout: str = "split") -> Case:
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     W, B = cfg.sliding_window, len(q_lens)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
     n_pages = [-(-s // page) for s in seq_lens]
     total = sum(n_pages) + 3
-    pool = KVPool(cfg, total, total, page, dtype, DEV)
-    for t in (pool.full_k, pool.full_v, pool.swa_k, pool.swa_v):
+    if layout == "split":
+        pool: KVPool = KVPool(cfg, total, total, page, dtype, DEV)
+        full_ids, swa_ids = list(range(total)), list(range(total))
+    else:  # one buffer: SWA pages and full pages in disjoint blocks (views with the token record as stride)
+        k = arena_geometry(cfg)[0]
+        blocks = list(range(total + -(-total // k) + 2))
+        pool = ArenaKVPool(cfg, len(blocks), page, dtype, DEV)
+        rng.shuffle(blocks)
+        swa_ids, full_ids = blocks[:total], [b * k + j for b in blocks[total:] for j in range(k)]
+    for t in pool.tensors():
         t.fill_(float("nan"))  # poison: only slots of live pages get real K/V
-    full_ids, swa_ids = list(range(total)), list(range(total))
     rng.shuffle(full_ids)
     rng.shuffle(swa_ids)
     mp = max(n_pages)
@@ -176,6 +183,20 @@ def test_prefill_with_prefix_and_decode_mixed(page: int, dtype: torch.dtype) -> 
     case = make_case(seed, cfg, q_lens, prefix_lens, page, dtype)
     be = TritonAttentionBackend(block_m=16, block_n=16, decode_splits=rng.choice([None, 3]))
     run_layers(case, be, seed, dtype, f"mixed {q_lens=} {prefix_lens=} page={page} shape={h, kvh_s, kvh_f}")
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_arena_layout(page: int) -> None:
+    """The engine's arena layout: K and V of every layer are strided views into one buffer (row stride
+    = the token record, 2 full pages per block here), prefill with a prefix and decodes mixed."""
+    seed = new_seed()
+    rng = random.Random(seed)
+    cfg = make_cfg(16, 8, 2, 16, 32, window=rng.choice([5, 16]))
+    assert arena_geometry(cfg)[0] == 2
+    q_lens, prefix_lens = mixed_lens(rng, 4, max_prefix=50, max_q=30, decode_frac=0.4)
+    case = make_case(seed, cfg, q_lens, prefix_lens, page, torch.float32, layout="arena")
+    be = TritonAttentionBackend(block_m=16, block_n=16, decode_splits=rng.choice([None, 3]))
+    run_layers(case, be, seed, torch.float32, f"arena {q_lens=} {prefix_lens=} page={page}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from swaserve.engine.kvcache import SWARadixCache
+from tests.engine.kvcache.reference_anchors import AnchorModel, dump_anchors
 
 Key = tuple[int, ...]
 
@@ -58,6 +59,7 @@ class CheckedCache:
         self.P, self.W = cache.page_size, cache.window
         self.state: dict[Key, list[Any]] = {}  # key -> [full, swa]
         self.locks: Counter[Key] = Counter()  # locked handles by their token prefix
+        self.am = AnchorModel(cache, self.state)  # anchors, their history and retention order
 
     # ---- reference rules ---------------------------------------------------------------------
     def keys_of(self, ids: list[int], k: int) -> list[Key]:
@@ -100,10 +102,12 @@ class CheckedCache:
         for k, v in d.items():
             assert (v[2] > 0) == (k in ls), f"SWA lock of page {len(k) // self.P - 1} wrong"
         assert self.c.full_locked == len(lf)
+        self.am.sync()
 
     # ---- checked calls ------------------------------------------------------------------------
     def match(self, ids: list[int]) -> Any:
         k = self.reuse(ids)
+        self.am.on_match(ids, k)
         m = self.c.match(ids)
         assert m.reused_len == k * self.P, f"reused {m.reused_len}, reference {k * self.P}"
         keys = self.keys_of(ids, k)
@@ -129,8 +133,10 @@ class CheckedCache:
                prompt_len: int | None = None, finished: bool = False) -> Any:
         P, c = self.P, self.c
         n = len(ids) // P
-        free_f, free_s = c.full_alloc.num_free, c.swa_alloc.num_free
+        # pages handed out (num_used) rather than num_free: the arena's kinds share blocks
+        used_f, used_s = c.full_alloc.num_used, c.swa_alloc.num_used
         dup_f = dup_s = 0
+        new_keys = [key for key in self.keys_of(ids, n) if key not in self.state]
         for j, key in enumerate(self.keys_of(ids, n)):
             if key in self.state:
                 t = self.state[key]
@@ -142,6 +148,7 @@ class CheckedCache:
                         dup_s += 1
             else:
                 self.state[key] = [full[j], swa[j]]
+        self.am.on_insert(ids, new_keys, anchors, prompt_len, finished)  # on the tree with the new pages
         trimmed = 0
         if finished and c.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
@@ -152,8 +159,8 @@ class CheckedCache:
                     trimmed += 1
         r = c.insert(ids, full, swa, anchors=anchors, prompt_len=prompt_len, finished=finished)
         assert r.inserted_len == n * P
-        assert c.full_alloc.num_free == free_f + dup_f, "duplicate full pages must be freed"
-        assert c.swa_alloc.num_free == free_s + dup_s + trimmed, "duplicate/trimmed SWA pages must be freed"
+        assert c.full_alloc.num_used == used_f - dup_f, "duplicate full pages must be freed"
+        assert c.swa_alloc.num_used == used_s - dup_s - trimmed, "duplicate/trimmed SWA pages must be freed"
         keys = self.keys_of(ids, n)
         assert r.full_pages == [self.state[x][0] for x in keys] + list(full[n:])
         win = self.window_pages(n)
@@ -162,53 +169,65 @@ class CheckedCache:
         self.sync_check()
         return r
 
-    def evict_swa(self, n: int) -> int:
+    def evict_swa(self, n: int, unprotected_only: bool = False) -> int:
         c = self.c
         before = dump(c)
-        free0, full_free0 = c.swa_alloc.num_free, c.full_alloc.num_free
+        anchors_before = {k: list(v) for k, v in self.am.anchors.items()}
+        used0, full_used0 = c.swa_alloc.num_used, c.full_alloc.num_used
         evictable = c.evictable_swa()
-        got = c.evict_swa(n)
+        got = c.evict_swa(n, unprotected_only=unprotected_only)
         after = dump(c)
-        assert after.keys() == before.keys() and c.full_alloc.num_free == full_free0
+        assert after.keys() == before.keys() and c.full_alloc.num_used == full_used0
         gone = [k for k in before if before[k][1] is not None and after[k][1] is None]
         assert all(after[k][1] == before[k][1] for k in before if k not in gone)
         assert all(after[k][0] == before[k][0] for k in before)
         assert all(before[k][2] == 0 for k in gone), "evicted a locked SWA page"
-        assert got == len(gone) == c.swa_alloc.num_free - free0
-        assert got >= min(n, evictable) and c.evictable_swa() == evictable - got
+        assert got == len(gone) == used0 - c.swa_alloc.num_used
+        assert c.evictable_swa() == evictable - got
+        if unprotected_only:  # tier 1 alone: no anchor's protected page
+            assert not any(before[k][3] for k in gone), "unprotected_only evicted a protected page"
+        else:
+            assert got >= min(n, evictable)
         if any(before[k][3] for k in gone):  # tier 2 only once tier 1 (unprotected pages) is exhausted
             assert not [k for k, v in after.items() if v[1] is not None and v[2] == 0 and before[k][3] == 0]
         for k in gone:
             self.state[k][1] = None
+        self.am.check_evict_swa(anchors_before, dump_anchors(c))
         self.sync_check()
         return got
 
-    def evict_full(self, n: int) -> int:
+    def evict_full(self, n: int, dead_only: bool = False) -> int:
         c = self.c
         before = dict(self.state)
         valid = self.valid_keys()
         reachable = {k for k in before if any(v[:len(k)] == k for v in valid)}
         locked = self.locked_full()
-        f0, s0 = c.full_alloc.num_free, c.swa_alloc.num_free
+        f0, s0 = c.full_alloc.num_used, c.swa_alloc.num_used
         evictable = c.evictable_full()
-        got = c.evict_full(n)
+        got = c.evict_full(n, dead_only=dead_only)
         after = dump(c)
         gone = [k for k in before if k not in after]
         assert all(after[k][:2] == tuple(before[k]) for k in after)
         assert not (set(gone) & locked), "evicted a locked full page"
         assert all(k[:len(g)] != g or k in gone for g in gone for k in before), "removal not prefix-closed"
-        assert got == len(gone) == c.full_alloc.num_free - f0
-        assert c.swa_alloc.num_free - s0 == sum(1 for k in gone if before[k][1] is not None)
-        assert got >= min(n, evictable)
+        assert got == len(gone) == f0 - c.full_alloc.num_used
+        assert s0 - c.swa_alloc.num_used == sum(1 for k in gone if before[k][1] is not None)
+        if dead_only:  # only KV no cached window can reach
+            assert not (set(gone) & reachable), "dead_only evicted reachable KV"
+        else:
+            assert got >= min(n, evictable)
         if any(k in reachable for k in gone):  # dead KV (no reachable window) goes first
             assert not [k for k in after if k not in reachable and k not in locked]
             assert sum(1 for k in before if k not in reachable and k not in locked) < n
         for k in gone:
             del self.state[k]
+        for k in [k for k in self.am.anchors if k in gone]:  # anchors go with their pages
+            self.am.drop(k)
         self.sync_check()
         return got
 
     def reset(self) -> None:
         self.c.reset()
         self.state.clear()
+        self.am.reset()
         self.sync_check()

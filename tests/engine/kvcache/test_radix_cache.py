@@ -114,8 +114,12 @@ def test_anchor_protects_window_plus_budget() -> None:
     assert c2.match(ids[:36] + [1]).reused_len == 36
     assert c2.match(ids[:28] + [1]).reused_len == 28  # 8 tokens before align_down(37): within the budget
     assert c2.match(ids[:27] + [1]).reused_len == 0
-    assert c2.evict_swa(1) == 5  # then the whole anchor window
-    assert c2.stats()["anchors"] == 0 and c2.match(ids + [1]).reused_len == 0
+    assert c2.evict_swa(1) == 1  # then the divergence slack (pages 5, 6), front first
+    assert c2.match(ids[:28] + [1]).reused_len == 0 and c2.match(ids[:36] + [1]).reused_len == 36
+    assert c2.evict_swa(1) == 1 and c2.stats()["anchors"] == 1
+    assert c2.evict_swa(1) == 1  # then the window: the anchor goes, its front page is freed
+    assert c2.stats()["anchors"] == 0 and c2.match(ids[:36] + [1]).reused_len == 0
+    assert c2.match(ids + [1]).reused_len == 40  # the rest stays cached: the deepest window lives on
     c2.check_integrity(0, 0)
 
 
@@ -155,15 +159,17 @@ def test_tier1_is_lru_by_subtree_recency() -> None:
     c2.check_integrity(0, 0)
 
 
-def test_tier2_evicts_whole_anchor_windows_lru() -> None:
+def test_tier2_drops_anchors_lru_and_frees_what_is_needed() -> None:
     c = mk(P=4, W=8)
     a, b = seq(16, 100), seq(16, 300)
     put(c, a, prompt_len=16)
     put(c, b, prompt_len=16)
     assert c.stats()["swa_protected"] == 4  # pages [8, 16) of each
     assert c.evict_swa(4) == 4  # tier 1: the unprotected pages 0, 1 of both
-    assert c.evict_swa(1) == 2  # the older anchor window, whole
+    assert c.evict_swa(1) == 1  # the older anchor goes (never reused, LRU); its front page is freed
     assert c.match(a + [1]).reused_len == 0 and c.match(b + [1]).reused_len == 16
+    assert c.stats()["anchors"] == 1 and c.evict_swa(1) == 1  # a's last page is unprotected cache now
+    assert c.match(b + [1]).reused_len == 16
 
 
 def test_revival_under_a_lock_counts_as_locked() -> None:

@@ -136,3 +136,20 @@ def test_sizes_and_registry() -> None:
     assert isinstance(moe, OffloadMoE) and moe.cache_size == 0
     with pytest.raises(ValueError, match="cache-size"):
         OffloadMoE(cfg, layers, "cpu", cache_size=-1)
+
+
+def test_one_exact_size_host_buffer() -> None:
+    """The CUDA host copy: every expert stack a view of one buffer of exactly the logical bytes (plus
+    < 64 B alignment per tensor), with the stored bytes; pinning is CUDA-only and not tried here."""
+    from swaserve.engine.moe.offload_backend import HOST_ALIGN, host_buffer
+
+    g = torch.Generator().manual_seed(new_seed())
+    layers = make_layers(g, "Q4_0", LAYERS, E, HID, INTER)
+    flat = [t for ew in layers for t in (ew.gate_up, ew.down)]
+    views, buf = host_buffer(flat, pin=False)
+    logical = expert_bytes(layers)
+    assert logical <= buf.numel() < logical + HOST_ALIGN * len(flat)
+    for w, v in zip(flat, views):
+        assert torch.equal(v.data, w.data) and v.shape == w.shape and v.qtype == w.qtype
+        assert v.data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert (v.data.data_ptr() - buf.data_ptr()) % HOST_ALIGN == 0

@@ -1,0 +1,293 @@
+"""Cache-level benchmark: workloads x SWA pool sizes x retention policies, driven through the engine's own
+Scheduler and KVManager (engine/scheduler) over the real prefix cache, with a fake model that returns
+each request's predetermined answer (no tensors). Reports the prompt tokens reused per row and the ratio
+to keep-everything (a pool too large to ever evict), the upper bound.
+
+    python -m swaserve.bench.cache_sim                  # the full table (page 16, window 1024)
+    python -m swaserve.bench.cache_sim --json           # one JSON object per row
+    python -m swaserve.bench.cache_sim --workload multiturn --windows 8,16 --policy lazy
+
+Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what the running requests
+need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
+and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
+same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
+pages), so a row's `swa_pool_windows` names its memory, not a fixed split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, make_trace
+from swaserve.engine.config import SchedulerConfig
+from swaserve.engine.core import Batch, Req, SamplingParams
+from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
+from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
+
+POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512")
+KEEP_EVERYTHING = "keep-everything"
+WINDOWS = ("4", "8", "16", "roomy")
+ROOMY = "roomy"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    page_size: int = 16
+    window: int = 1024
+    chunk: int = 2048  # --chunked-prefill-size
+    full_per_swa: int = 4  # full-pool tokens per SWA-pool token
+    concurrency: int = 1  # requests in flight (the issue measures one at a time)
+    arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
+    full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
+
+
+@dataclass
+class Row:
+    workload: str
+    policy: str
+    swa_pool_windows: int | str
+    reused_tokens: int
+    reusable_tokens: int = 0  # keep-everything's reused tokens on the same trace
+    prompt_tokens: int = 0
+    evicted_swa_pages: int = 0
+    evicted_full_pages: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    per_request: list[int] = field(default_factory=list, repr=False)
+    memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.reused_tokens / self.reusable_tokens if self.reusable_tokens else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"workload": self.workload, "policy": self.policy, "memory": self.memory,
+                "swa_pool_windows": self.swa_pool_windows,
+                "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
+                "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
+                "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
+                "preemptions": self.preemptions, "seconds": round(self.seconds, 2)}
+
+
+class AnswerModel:
+    """The fake model: for a sampling row returns the next token of the request's predetermined answer.
+    With check=True it also plays the KV pool: every new token's (position, token) is written into its
+    full and SWA slots, and every position the last new token would attend to is read back and
+    compared (all of [0, end) in the full pool, the last `window` positions in the SWA pool)."""
+
+    def __init__(self, page_size: int, window: int, check: bool = False):
+        self.page_size, self.window, self.check = page_size, window, check
+        self.answers: dict[str, tuple[int, ...]] = {}
+        self.full: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
+        self.swa: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, batch: Batch) -> list[int | None]:
+        out: list[int | None] = []
+        for r, start, q, sample in zip(batch.reqs, batch.prefix_lens, batch.q_lens, batch.sample):
+            if self.check:
+                self._write_and_verify(r, start, start + q)
+            out.append(self.answers[r.rid][r.output_len] if sample else None)
+        return out
+
+    def _write_and_verify(self, r: Req, start: int, end: int) -> None:
+        P, W = self.page_size, self.window
+        for pos in range(start, end):
+            tok = r.token_ids[pos]
+            self.full[r.full_pages[pos // P] * P + pos % P] = (pos, tok)
+            sp = r.swa_pages[pos // P]
+            assert sp is not None, f"{r.rid}: no SWA page for new position {pos}"
+            self.swa[sp * P + pos % P] = (pos, tok)
+        for i in range(end):
+            got = self.full.get(r.full_pages[i // P] * P + i % P)
+            assert got == (i, r.token_ids[i]), f"{r.rid}: full KV of position {i} is {got}"
+        for i in range(max(0, end - W), end):
+            sp = r.swa_pages[i // P]
+            assert sp is not None, f"{r.rid}: SWA page of position {i} missing"
+            got = self.swa.get(sp * P + i % P)
+            assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
+
+
+def running_pages(geo: Geometry) -> int:
+    """SWA pages the running requests need (engine/builder.py's minimum): each its window and two pages,
+    plus one prefill chunk."""
+    per_req = -(-geo.window // geo.page_size) + 2
+    return geo.concurrency * per_req + -(-geo.chunk // geo.page_size) + 1
+
+
+def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry) -> tuple[int, int]:
+    """(full pages, SWA pages): an SWA pool that holds `windows` windows of cache besides what the
+    running requests need, and a full pool of full_per_swa times as many tokens; or a roomy pair."""
+    if windows == ROOMY:
+        total = sum(len(r.prompt) + len(r.answer) for r in trace) // geo.page_size + 1024
+        return total, total
+    swa = int(windows) * geo.window // geo.page_size + running_pages(geo)
+    return geo.full_per_swa * swa, swa
+
+
+def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry) -> tuple[Scheduler, SWARadixCache]:
+    """The engine's scheduler and KV manager over a radix cache configured for `policy`."""
+    fa: PagePool
+    sa: PagePool
+    if geo.arena:  # the same bytes as the split pools, shared: one block = one SWA page = k full pages
+        arena = Arena(swa_pages + -(-full_pages // geo.full_per_block), geo.full_per_block)
+        fa, sa = arena.full, arena.swa
+    else:
+        fa, sa = PageAllocator(full_pages), PageAllocator(swa_pages)
+    kw: dict[str, Any] = {"policy": "lazy", "swa_retain_tokens": 512}
+    if policy == "lazy-no-anchors":
+        kw["anchors"] = False
+    elif policy.startswith("eager-"):
+        kw = {"policy": "eager", "swa_retain_tokens": int(policy.removeprefix("eager-"))}
+    elif policy not in ("lazy", KEEP_EVERYTHING):
+        raise ValueError(f"unknown policy {policy!r}")
+    cache = SWARadixCache(geo.page_size, geo.window, fa, sa, **kw)
+    kv = KVManager(cache, fa, sa, geo.page_size, geo.window)
+    cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk)
+    return Scheduler(cfg, kv, context_length=1 << 30), cache
+
+
+def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows: int | str, geo: Geometry,
+             check: bool = False) -> Row:
+    """Serve the trace in order (at most geo.concurrency requests in flight) and count reused tokens."""
+    t0 = time.perf_counter()
+    full_pages, swa_pages = pool_pages(trace, ROOMY if policy == KEEP_EVERYTHING else windows, geo)
+    sched, cache = build(policy, full_pages, swa_pages, geo)
+    model = AnswerModel(geo.page_size, geo.window, check=check)
+    pass_anchors = policy != "lazy-no-anchors"
+    pending = deque(enumerate(trace))
+    done: list[Req] = []
+    in_flight: list[Req] = []
+    while pending or in_flight:
+        while pending and len(in_flight) < geo.concurrency:
+            i, tr = pending.popleft()
+            params = SamplingParams(max_tokens=len(tr.answer), temperature=0.0, ignore_eos=True)
+            (req,) = make_reqs(f"r{i}", list(tr.prompt), params, context_length=1 << 30, eos_ids=(), seed=0,
+                               anchors=tr.anchors if pass_anchors else ())
+            model.answers[req.rid] = tr.answer
+            sched.add(req)
+            in_flight.append(req)
+        batch, _ = sched.schedule()
+        if batch is None:
+            raise RuntimeError("the scheduler stalled with requests in flight")
+        sched.update(batch, model(batch))
+        if check:
+            sched.check_integrity()
+        for r in [r for r in in_flight if r.finished]:
+            in_flight.remove(r)
+            done.append(r)
+    done.sort(key=lambda r: int(r.rid[1:]))
+    st = cache.stats()
+    if policy == KEEP_EVERYTHING:
+        assert st["evicted_swa_pages"] == st["evicted_full_pages"] == 0, "keep-everything evicted"
+    return Row(workload, policy, windows, sum(r.cached_tokens or 0 for r in done),
+               prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
+               evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
+               seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
+               memory="arena" if geo.arena else "split")
+
+
+def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequence[int | str], geo: Geometry,
+              shape: TraceShape | None = None, check: bool = False, progress: bool = False) -> list[Row]:
+    """Every (workload, pool, policy) row, plus one keep-everything row per workload (its upper bound)."""
+    rows: list[Row] = []
+    for w in workloads:
+        trace = make_trace(w, shape)
+        upper = simulate(w, trace, KEEP_EVERYTHING, ROOMY, geo, check=check)
+        upper.reusable_tokens = upper.reused_tokens
+        rows.append(upper)
+        for win in windows:
+            for pol in policies:
+                row = simulate(w, trace, pol, win, geo, check=check)
+                row.reusable_tokens = upper.reused_tokens
+                rows.append(row)
+                if progress:
+                    print(f"  {w:11s} {str(win):>5s} {pol:16s} ratio {row.ratio:.3f} ({row.seconds:.1f}s)",
+                          file=sys.stderr, flush=True)
+    return rows
+
+
+def format_table(rows: Sequence[Row], policies: Sequence[str]) -> str:
+    """One line per (workload, pool): each policy's ratio to keep-everything (reused tokens in brackets)."""
+    head = f"{'workload':11s} {'windows':>7s}  " + "  ".join(f"{p:>18s}" for p in policies)
+    lines = [head, "-" * len(head)]
+    by_key: dict[tuple[str, str], dict[str, Row]] = {}
+    uppers: dict[str, Row] = {}
+    for r in rows:
+        if r.policy == KEEP_EVERYTHING:
+            uppers[r.workload] = r
+        else:
+            by_key.setdefault((r.workload, str(r.swa_pool_windows)), {})[r.policy] = r
+    for (w, win), cells in by_key.items():
+        vals = [f"{cells[p].ratio:6.3f} ({cells[p].reused_tokens:>7d})" if p in cells else f"{'-':>18s}"
+                for p in policies]
+        lines.append(f"{w:11s} {win:>7s}  " + "  ".join(vals))
+    lines.append("")
+    lines.append("keep-everything (reusable tokens): " + ", ".join(
+        f"{w} {u.reused_tokens} of {u.prompt_tokens} prompt tokens" for w, u in uppers.items()))
+    return "\n".join(lines)
+
+
+def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return items
+
+
+def _windows(text: str) -> list[int | str]:
+    out: list[int | str] = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        if x == ROOMY:
+            out.append(x)
+        elif x.isdigit() and int(x) > 0:
+            out.append(int(x))
+        else:
+            raise argparse.ArgumentTypeError(f"--windows: expected positive integers or 'roomy', got {x!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m swaserve.bench.cache_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", type=lambda s: _choices(s, WORKLOADS, "--workload"), default=list(WORKLOADS),
+                   help=f"comma-separated (default all): {', '.join(WORKLOADS)}")
+    p.add_argument("--policy", type=lambda s: _choices(s, POLICIES, "--policy"), default=list(POLICIES),
+                   help=f"comma-separated (default all): {', '.join(POLICIES)}")
+    p.add_argument("--windows", type=_windows, default=[4, 8, 16, ROOMY],
+                   help="SWA pool sizes in windows, comma-separated (default 4,8,16,roomy)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    p.add_argument("--arena", action="store_true",
+                   help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
+                        "full pages)")
+    p.add_argument("--check", action="store_true",
+                   help="verify every KV read of the fake model and the cache invariants after every step")
+    p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    geo = Geometry(concurrency=args.concurrency, arena=args.arena)
+    rows = run_table(args.workload, args.policy, args.windows, geo, check=args.check, progress=not args.json)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r.to_json()))
+    else:
+        print(format_table(rows, args.policy))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
