@@ -15,7 +15,14 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from swaserve.engine.core import EngineOverloaded, Req, RequestError, RequestOutput, SamplingParams
+from swaserve.engine.core import (
+    EngineOverloaded,
+    Req,
+    RequestError,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+)
 from swaserve.engine.engine import Engine
 from swaserve.engine.kvcache.snapshot import SlicedCalls
 
@@ -173,6 +180,8 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # this request failed alone (engine log: the traceback)
+                    raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
                 if item.finished:
                     done.add(item.index)
                 yield item

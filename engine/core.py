@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -10,9 +11,22 @@ from swaserve.engine.kvcache.base import CacheHandle
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Hard bounds every request is checked against (SamplingParams.validate), whatever the front end: a
+# value past them could overflow a batched tensor or cost every other request time. The server's
+# own limits (--max-stop-sequences, OpenAI's 4 by default) sit inside these.
+MAX_INT = (1 << 31) - 1  # token counts
+MAX_STOP_STRINGS = 1024  # stop strings, and stop token ids, per request
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300 tokens)
+MAX_REPETITION_PENALTY = 100.0
+
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (the server answers 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed while being served (the others go on); the server answers 500 with its id."""
 
 
 class RequestError(ValueError):
@@ -65,32 +79,51 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field for out-of-range values."""
-        if self.max_tokens is not None and self.max_tokens < 1:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number", name)
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT:
             raise RequestError("max_tokens must be at least 1", "max_tokens")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise RequestError("seed must fit in 64 bits", "seed")
         if not 0.0 <= self.temperature <= 2.0:
             raise RequestError("temperature must be in [0, 2]", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise RequestError("top_k must be -1 (off) or at least 1", "top_k")
+        if self.top_k > vocab_size:
+            raise RequestError(f"top_k must not exceed the vocabulary size ({vocab_size})", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError("min_p must be in [0, 1]", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2]", name)
-        if self.repetition_penalty <= 0.0:
-            raise RequestError("repetition_penalty must be positive", "repetition_penalty")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+                               "repetition_penalty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError("top_logprobs must be in [0, 20]", "top_logprobs")
         if not 1 <= self.n <= 16:
             raise RequestError("n must be in [1, 16]", "n")
-        for tid, _ in self.logit_bias:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for tid, bias in self.logit_bias:
             if not 0 <= tid < vocab_size:
                 raise RequestError(f"logit_bias token id {tid} is outside the vocabulary", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise RequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise RequestError(f"each stop string must be at most {MAX_STOP_LENGTH} characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} ids", "stop_token_ids")
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise RequestError(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
-        if self.min_tokens < 0:
+        if not 0 <= self.min_tokens <= MAX_INT:
             raise RequestError("min_tokens must be >= 0", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError("min_tokens must not exceed max_tokens", "min_tokens")
@@ -127,6 +160,7 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens whose KV was reused (exact)
     completion_tokens: int  # total so far for this choice
     matched_stop: str | int | None = None
+    error: str | None = None  # set on the last output of a choice that failed (its own data was at fault)
 
 
 Phase = Literal["prefill", "decode", "mixed"]

@@ -158,6 +158,8 @@ class Engine:
         t1 = time.perf_counter()
         tokens, logprobs = self.runner.execute(batch)
         t2 = time.perf_counter()
+        for req, exc in self.runner.failed.items():  # fails that request alone, before update sees it
+            outs.extend(self._fail_request(req, exc))
         step_outs = self.scheduler.update(batch, tokens, logprobs)
         t3 = time.perf_counter()
         outs.extend(self._process(step_outs))
@@ -187,36 +189,54 @@ class Engine:
             self._open.pop(rid, None)
         return ids
 
+    def _fail_request(self, req: Req, exc: BaseException) -> list[RequestOutput]:
+        """Finish one choice as failed (its own data was at fault); every choice of its request ends."""
+        log.error("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        outs: list[RequestOutput] = []
+        for c in self._open.get(req.request_id, [req]):
+            if not c.finished:
+                self.scheduler.finish(c, "abort")
+            for out in self._finish_output(c, [], [], flush=False):
+                out.error = f"{type(exc).__name__}: {exc}"
+                outs.append(out)
+        return outs
+
     def _process(self, step_outs: list[StepOutput]) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
-        now = time.monotonic()
         for so in step_outs:
-            req = so.req
             if so.token_id is None:
                 continue
-            self.generation_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            text_stream = self._texts[req]
-            lps = [so.logprob] if so.logprob is not None else []
-            if req.index == 0 and req.output_len == 1:
-                self.prompt_tokens_total += req.prompt_len
-            if so.finished:
-                text, flush = "", True
-                if not (req.finish_reason == "stop" and req.matched_stop == so.token_id):  # stop ids: no text
-                    text, matched = text_stream.push(so.token_id)
-                    if matched is not None:
-                        req.finish_reason, req.matched_stop, flush = "stop", matched, False
-                outs.extend(self._finish_output(req, [so.token_id], lps, text, flush=flush))
-                continue
-            text, matched = text_stream.push(so.token_id)
-            if matched is not None:
-                self.scheduler.finish(req, "stop", matched)
-                outs.extend(self._finish_output(req, [so.token_id], lps, text, flush=False))
-                continue
-            outs.append(RequestOutput(req.request_id, req.index, text, [so.token_id], lps or None, False,
-                                      None, req.prompt_len, req.cached_tokens or 0, req.output_len))
+            try:
+                outs.extend(self._process_one(so))
+            except Exception as e:  # noqa: BLE001 - detokenizing / matching this request's text
+                outs.extend(self._fail_request(so.req, e))
         return outs
+
+    def _process_one(self, so: StepOutput) -> list[RequestOutput]:
+        """One new token of one choice -> its output (text with stop strings held back or cut)."""
+        now = time.monotonic()
+        req = so.req
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        text_stream = self._texts[req]
+        lps = [so.logprob] if so.logprob is not None else []
+        if req.index == 0 and req.output_len == 1:
+            self.prompt_tokens_total += req.prompt_len
+        if so.finished:
+            text, flush = "", True
+            if not (req.finish_reason == "stop" and req.matched_stop == so.token_id):  # stop ids: no text
+                text, matched = text_stream.push(so.token_id)
+                if matched is not None:
+                    req.finish_reason, req.matched_stop, flush = "stop", matched, False
+            return self._finish_output(req, [so.token_id], lps, text, flush=flush)
+        text, matched = text_stream.push(so.token_id)
+        if matched is not None:
+            self.scheduler.finish(req, "stop", matched)
+            return self._finish_output(req, [so.token_id], lps, text, flush=False)
+        return [RequestOutput(req.request_id, req.index, text, [so.token_id], lps or None, False,
+                              None, req.prompt_len, req.cached_tokens or 0, req.output_len)]
 
     def _finish_output(self, req: Req, new_ids: list[int], lps: list[TokenLogprob], text: str = "",
                        flush: bool = True) -> list[RequestOutput]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import EngineConfig, ModelConfig
-from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams
+from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput, SamplingParams
 from swaserve.engine.kvcache.snapshot import SlicedCalls
 from swaserve.engine.scheduler.requests import check_lengths
 from swaserve.engine.tokenizer import Tokenizer
@@ -231,7 +231,7 @@ class EngineClient:
                 break
             kind = msg[0]
             if kind == "step":
-                self._stats = msg[2]  # before the outputs: a caller woken by its last one may read stats()
+                self._stats = msg[2]  # before the outputs: a caller resuming on its last output reads these
                 for out in msg[1]:
                     self._deliver(out.request_id, out)
             elif kind == "rejected":
@@ -312,6 +312,8 @@ class EngineClient:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # this request failed alone (engine log: the traceback)
+                    raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
                 if item.finished:
                     done.add(item.index)
                 yield item

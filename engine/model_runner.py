@@ -9,7 +9,7 @@ from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.core import Batch, Req, TokenLogprob
 from swaserve.engine.grammar import GrammarBackend, GrammarState
 from swaserve.engine.model_api import CausalLM
-from swaserve.engine.sampling import SampleRow, make_generator, sample
+from swaserve.engine.sampling import SampleRow, make_generator, sample_isolated
 from swaserve.engine.staging import pack_to_device, to_device
 
 
@@ -65,8 +65,12 @@ class ModelRunner:
         self.window = window
         self.device = device
         self.grammar: GrammarBackend | None = None  # set by the engine (needs the tokenizer)
+        # requests whose own data failed the last execute (their grammar, their sampling row): the engine
+        # fails them alone; their token in the result is meaningless
+        self.failed: dict[Req, Exception] = {}
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        self.failed = {}
         meta = build_metadata(batch, self.page_size, self.window, self.device)
         ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
         hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
@@ -86,7 +90,11 @@ class ModelRunner:
             p = r.params
             if p.temperature > 0 and r.generator is None:
                 r.generator = make_generator(r.seed)
-            state = self._grammar_state(r)
+            try:
+                state = self._grammar_state(r)
+            except Exception as e:  # noqa: BLE001 - this request's grammar: it fails alone
+                self.failed[r] = e
+                state = None
             if state is not None:
                 grammar_rows.append(j)
                 states.append(state)
@@ -98,8 +106,10 @@ class ModelRunner:
                                   r.token_ids[:r.prompt_len] if p.repetition_penalty != 1.0 else (),
                                   r.output_ids if penal else (), banned))
         bitmask = self.grammar.fill(states) if states and self.grammar is not None else None
-        res = sample(logits, rows, grammar_rows, bitmask)
+        res, failed_rows = sample_isolated(logits, rows, grammar_rows, bitmask)
         for j, b in enumerate(sel):
+            if j in failed_rows:
+                self.failed.setdefault(batch.reqs[b], failed_rows[j])
             tokens[b] = res.token_ids[j]
             logprobs[b] = res.logprobs[j]
         return tokens, logprobs

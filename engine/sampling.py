@@ -257,3 +257,39 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequen
             top = list(zip(top_i_l[j][:k], top_v_l[j][:k])) if k > 0 else []
             logprobs[i] = TokenLogprob(token_ids[i], chosen_l[j], top)
     return SampleResult(token_ids, logprobs)
+
+
+def sample_isolated(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequence[int] = (),
+                    bitmask: torch.Tensor | None = None) -> tuple[SampleResult, dict[int, Exception]]:
+    """`sample`, with one row's failure confined to that row: when the batched call raises, each row is
+    sampled alone; a row that still fails gets token -1 and its exception in the returned dict (the
+    engine fails that request only). The other rows' tokens are those the batched call would give:
+    every row draws from its own generator, and a row's masks depend on its own logits only."""
+    states = [r.generator.get_state() if r.generator is not None else None for r in rows]
+    try:
+        return sample(logits, rows, grammar_rows, bitmask), {}
+    except Exception as e:  # noqa: BLE001 - isolated below
+        if len(rows) == 1:
+            return SampleResult([-1], [None]), {0: e}
+    for r, st in zip(rows, states):  # the failed batched call may have drawn already: undo it
+        if r.generator is not None and st is not None:
+            r.generator.set_state(st)
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    failed: dict[int, Exception] = {}
+    gpos = {row: j for j, row in enumerate(grammar_rows)}
+    for i, r in enumerate(rows):
+        try:
+            if i in gpos and bitmask is not None:
+                res = sample(logits[i:i + 1], [r], [0], bitmask[gpos[i]:gpos[i] + 1])
+            else:
+                res = sample(logits[i:i + 1], [r])
+        except Exception as e:  # noqa: BLE001 - this row's own data is at fault
+            failed[i] = e
+            token_ids.append(-1)
+            logprobs.append(None)
+            continue
+        token_ids.append(res.token_ids[0])
+        logprobs.append(res.logprobs[0])
+    return SampleResult(token_ids, logprobs), failed
+

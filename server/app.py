@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from swaserve.server.auth import check_api_key
 from swaserve.server.errors import APIError, install_error_handlers
+from swaserve.server.limits import BodyLimit
 from swaserve.server.routes_chat import router as chat_router
 from swaserve.server.routes_completions import router as completions_router
 from swaserve.server.routes_misc import router as misc_router
@@ -70,7 +71,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
         finally:
             state.shutdown()
 
-    app = FastAPI(title="swaserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="swaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None if cfg.disable_docs else "/openapi.json")
     app.state.swa = state
     install_error_handlers(app)
     app.include_router(chat_router)
@@ -80,6 +82,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key

@@ -1,4 +1,5 @@
-"""`--api-key`: `Authorization: Bearer <key>` on the API routes (/health and /metrics stay open)."""
+"""`--api-key`: `Authorization: Bearer <key>` on every route but /health and /metrics (the OpenAPI
+document included: it lists every route and field)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from fastapi import Request
 
 from swaserve.server.errors import APIError
 
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.core import EngineOverloaded, RequestError
+from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed
 
 logger = logging.getLogger("swaserve.server")
 
@@ -21,6 +22,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -47,16 +49,37 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_exception(e: BaseException) -> APIError:
-    """Map an engine / user-input exception to an APIError (500 for anything unexpected)."""
+    """Map an engine / user-input exception to an APIError. Only the errors that describe the request
+    (APIError, RequestError) reach the client with their text; anything unexpected is a 500 whose body
+    names an error id that the server log repeats with the traceback (no internal text to clients)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, RequestError):
         return APIError(400, str(e), e.param)
     if isinstance(e, EngineOverloaded):
         return APIError(503, str(e) or "the server is overloaded; retry later", None, "overloaded")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
+    known = getattr(e, "_swaserve_api_error", None)  # one id per exception, however often it is mapped
+    if isinstance(known, APIError):
+        return known
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, _safe(e),
+                 exc_info=(type(e), e, e.__traceback__) if isinstance(e, Exception) else None)
+    if isinstance(e, RequestFailed):
+        message = f"the request failed while being generated (error id {error_id}); other requests are " \
+                  "unaffected"
+    else:
+        message = f"internal server error (error id {error_id}; the server log has the details)"
+    err = APIError(500, message, None, "internal_error")
+    try:
+        e._swaserve_api_error = err  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    return err
+
+
+def _safe(e: BaseException) -> str:
+    """The exception's text for the log, with lone surrogates escaped (they cannot be encoded)."""
+    return str(e).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def sse_error(e: BaseException) -> str:
@@ -118,9 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def on_other(request: Request, exc: Exception) -> JSONResponse:
-        err = from_exception(exc)
-        if err.status >= 500:
-            logger.exception("unhandled error on %s", request.url.path)
+        err = from_exception(exc)  # a 500 is logged there, with its error id and the traceback
         return JSONResponse(err.body(), status_code=err.status)
 
     app.add_exception_handler(APIError, on_api_error)

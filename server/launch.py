@@ -12,8 +12,10 @@ import socket
 from typing import TYPE_CHECKING
 
 from swaserve.engine.args import bounded_number
+from swaserve.engine.core import MAX_STOP_STRINGS
 from swaserve.server.app import build_app
-from swaserve.server.params import parse_default_sampling
+from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
 from swaserve.server.state import ServerConfig
 
 if TYPE_CHECKING:
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from swaserve.engine.engine import Engine
 
 logger = logging.getLogger("swaserve.server")
+
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get after SIGTERM (server/shutdown.py)
 
 
 def _port(s: str) -> int:
@@ -51,7 +55,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 400 to unknown request fields (default: ignore them with a warning)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="CORS: origins allowed to call the API from a browser ('*': any; default: no CORS)")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on the API routes")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
+                        "(visible in `ps`: prefer --api-key-file or SWASERVE_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (its first line)")
+    g.add_argument("--max-request-bytes", type=bounded_number("--max-request-bytes", int, min=1024),
+                   default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get 413 before parsing (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--max-stop-sequences", type=bounded_number("--max-stop-sequences", int, min=1,
+                                                               max=MAX_STOP_STRINGS),
+                   default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
+                                                  "as OpenAI)")
+    g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--shutdown-timeout", type=bounded_number("--shutdown-timeout", float, min=0),
+                   default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM, seconds running requests get to finish before they end with a 503 "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 at once; exit code 0")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
@@ -137,18 +157,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    if args.api_key is not None and not args.api_key.strip():
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $SWASERVE_API_KEY; ValueError when empty."""
+    key = args.api_key
+    if key is not None and not key.strip():
         raise ValueError("--api-key must not be empty")
+    path = getattr(args, "api_key_file", None)
+    if key is None and path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the first line is empty")
+    if key is None:
+        env = os.environ.get("SWASERVE_API_KEY")
+        if env is not None:
+            key = env.strip()
+            if not key:
+                raise ValueError("SWASERVE_API_KEY is set but empty")
+    return key
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    api_key = api_key_from_args(args)
     names = list(args.served_model_name or [])
     if any(not n.strip() for n in names):
         raise ValueError("--served-model-name must not be empty")
     defaults = parse_default_sampling(getattr(args, "default_sampling", None))
     return ServerConfig(served_model_name=names[0] if names else None, served_model_aliases=tuple(names[1:]),
-                        api_key=args.api_key, enable_cache_report=args.enable_cache_report,
+                        api_key=api_key, enable_cache_report=args.enable_cache_report,
                         strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
                         chat_template=_chat_template(args.chat_template),
                         allowed_origins=_origins(args.allowed_origins),
+                        max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+                        max_stop_sequences=getattr(args, "max_stop_sequences", DEFAULT_MAX_STOP),
+                        disable_docs=getattr(args, "disable_docs", False),
                         ui=args.ui if getattr(args, "ui", None) is not None else is_loopback(args.host))
 
 
@@ -189,7 +234,9 @@ def run_serve(args: argparse.Namespace) -> int:
     state = app.state.swa
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    from swaserve.server.shutdown import GracefulServer
+
+    server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/shutdown.py)
 
     def on_load_error(e: BaseException) -> None:
         server.should_exit = True

@@ -18,6 +18,7 @@ from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.protocol import SamplingFields
 
+DEFAULT_MAX_STOP = 4  # stop strings per request, as OpenAI (--max-stop-sequences)
 GEMMA4_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
 # keys --default-sampling takes (HF generation_config / vLLM spellings map to ours)
 DEFAULT_KEYS: dict[str, str] = {
@@ -81,15 +82,19 @@ def merge_defaults(gguf: dict[str, float], flag: dict[str, float]) -> dict[str, 
 
 def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
                  defaults: dict[str, float] | None = None, rename: dict[str, str] | None = None,
-                 **extra: Any) -> SamplingParams:
+                 max_stop: int = DEFAULT_MAX_STOP, **extra: Any) -> SamplingParams:
     """Request fields over `defaults` -> SamplingParams; 400 naming the field (SamplingParams name ->
-    `rename`d). `extra`: further SamplingParams fields (grammar, special-token handling)."""
+    `rename`d). `max_stop`: --max-stop-sequences. `extra`: further SamplingParams fields (grammar,
+    special-token handling)."""
     defaults = defaults or {}
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
     elif req.stop:
         stop = tuple(s for s in req.stop if s)
+    if len(stop) > max_stop:
+        raise APIError(400, f"stop takes at most {max_stop} strings (this server's --max-stop-sequences), "
+                       f"got {len(stop)}", "stop", "invalid_value")
     bias: list[tuple[int, float]] = []
     for k, v in (req.logit_bias or {}).items():
         try:

@@ -84,7 +84,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     rename = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
     rename["grammar"] = "response_format" if cp.plan.choice in ("none", "auto") else "tool_choice"
     params = build_params(req, max_tokens, k, engine.tokenizer.vocab_size, state.sampling_defaults(), rename,
-                          skip_special_tokens=False, mark_special_tokens=True, grammar=cp.grammar)
+                          max_stop=state.cfg.max_stop_sequences, skip_special_tokens=False,
+                          mark_special_tokens=True, grammar=cp.grammar)
 
     def new_choice() -> ChatChoice:
         return ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,

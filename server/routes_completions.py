@@ -92,7 +92,7 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
     prompts = _prompts(req, engine.tokenizer)
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), {"top_logprobs": "logprobs"},
-                          skip_special_tokens=req.skip_special_tokens)
+                          max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)
     gens = []
     for i, (ids, _) in enumerate(prompts):
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"

@@ -76,7 +76,8 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}
     params = build_params(req, req.max_output_tokens, None, engine.tokenizer.vocab_size,
-                          state.sampling_defaults(), rename, skip_special_tokens=False,
+                          state.sampling_defaults(), rename, max_stop=state.cfg.max_stop_sequences,
+                          skip_special_tokens=False,
                           mark_special_tokens=True, grammar=cp.grammar)
     choice = ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,
                                          cp.plan.forced_names()))

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swaserve.server.errors import APIError
+from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.metrics import Metrics
-from swaserve.server.params import merge_defaults
+from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 
 if TYPE_CHECKING:
     from swaserve.engine.async_engine import AsyncEngine
@@ -35,6 +36,9 @@ class ServerConfig:
     default_sampling: tuple[tuple[str, float], ...] = ()  # --default-sampling (over the GGUF's defaults)
     chat_template: str | None = None  # --chat-template: replaces (or supplies) the GGUF's template
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers
+    max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
+    disable_docs: bool = False  # no /openapi.json
     ui: bool = False  # --ui: the inspector page at GET / (server/routes_ui.py)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,7 +37,10 @@ class OutputStream:
     and frees their pages) and also calls engine.abort for each request id.
     """
 
+    open_streams: weakref.WeakSet[OutputStream] = weakref.WeakSet()  # not yet closed (shutdown waits)
+
     def __init__(self, engine: Any, gens: list[tuple[str, AsyncIterator[RequestOutput]]]):
+        OutputStream.open_streams.add(self)
         self.engine = engine
         self.request_ids = [rid for rid, _ in gens]
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -90,8 +94,21 @@ class OutputStream:
         self.finished = True
         return None
 
+    def fail(self, exc: BaseException) -> None:
+        """End the response with `exc` (graceful shutdown): the consumer raises it at its next item (queued
+        before the ends of the cancelled pumps), and the engine requests are aborted. Event loop only."""
+        self.queue.put_nowait((0, exc))
+        for t in self.tasks:
+            t.cancel()
+        for rid in self.request_ids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # already gone
+                logger.debug("abort(%s) failed", rid, exc_info=True)
+
     def close(self) -> None:
         """Synchronous (safe inside a cancelled scope): stop everything still running."""
+        OutputStream.open_streams.discard(self)
         if self._get is not None:
             self._get.cancel()
             self._get = None
