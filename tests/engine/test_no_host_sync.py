@@ -92,9 +92,11 @@ def _guard_device_part(llm: LLM) -> list[int]:
 def test_step_has_no_host_sync(fused: bool):
     prompts = [[2, 5, 9, 13, 40, 41, 7], [2] + list(range(10, 80))]  # 71 tokens > the tiny window (64)
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    ref = LLM(attention_backend="torch", moe_backend="torch", chunked_prefill_size=48)
+    # exact CPU matmuls on both sides: what runs on a GPU (the native CPU kernels check their row ids on
+    # the host, which is no sync on the CPU they run on)
+    ref = LLM(attention_backend="torch", moe_backend="torch", chunked_prefill_size=48, cpu_matmul="exact")
     want = [o.token_ids for o in ref.generate(prompts, params)]
-    llm = LLM(attention_backend="triton", moe_backend="triton", chunked_prefill_size=48)
+    llm = LLM(attention_backend="triton", moe_backend="triton", chunked_prefill_size=48, cpu_matmul="exact")
     calls = _guard_device_part(llm)
     with device_kernels() if fused else contextlib.nullcontext():  # fused: what CUDA runs (engine/fused)
         got = [o.token_ids for o in llm.generate(prompts, params)]

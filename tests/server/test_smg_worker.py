@@ -59,7 +59,7 @@ def test_register_load_drain(replicas: tuple[LiveServer, LiveServer, LiveServer,
             def rollup_has_capacity() -> bool:
                 loads = h.get(f"{router.url}/loads").json().get("loads", [])
                 return any(x.get("worker") == a.url and x.get("max_total_num_tokens")
-                           == st["full_pool"]["total"] * st["page_size"] for x in loads)
+                           == st["full_pool"]["capacity"] * st["page_size"] for x in loads)
 
             until(rollup_has_capacity, 30)
 
