@@ -3,46 +3,18 @@ model, with the flags a test passes (`swaserve serve` parsing)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 
 from swaserve import cli
 from swaserve.engine.args import engine_config_from_args
 from swaserve.server.app import build_app
 from swaserve.server.launch import server_config_from_args
+from tests.server.conftest import LiveServer
 
 POOL_ARGS = ["--max-total-tokens", "65536", "--device", "cpu", "--cpu-threads", "1"]
-
-
-class Live:
-    def __init__(self, app: Any):
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        cfg = uvicorn.Config(app, log_level="warning", access_log=False, log_config=None)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-
-    def http(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120, **kw)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def serve_args(*extra: str) -> Any:
@@ -64,11 +36,11 @@ def rel_engine() -> Iterator[Any]:
 
 @pytest.fixture
 def live(rel_engine: Any):
-    """live(*flags) -> a Live server over the shared engine with those server flags; stopped after."""
-    made: list[Live] = []
+    """live(*flags) -> a LiveServer over the shared engine with those server flags; stopped after."""
+    made: list[LiveServer] = []
 
-    def start(*flags: str) -> Live:
-        s = Live(build_app(rel_engine, server_config_from_args(serve_args(*flags))))
+    def start(*flags: str) -> LiveServer:
+        s = LiveServer(build_app(rel_engine, server_config_from_args(serve_args(*flags))))
         made.append(s)
         return s
 
