@@ -16,13 +16,16 @@ CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
 `cpu_matmul="native"` (the CPU default, EngineConfig.cpu_matmul): Q4_0 weights with fp32 inputs go
 through the native Q4_0 x Q8_0 kernel (engine/quant/native.py: activations quantized per 32-block to 8
 bits, integer dots; llama.cpp's numerics) on the weight's interleaved form, which `prepare_native`
-builds once at load (lossless, same bytes as the file; the file pages are released). Without the
-kernel (no compiler, no AVX2) native means exact.
+builds once at load (lossless, same bytes as the file; the file pages are released). Q8_0, Q4_1,
+Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS weights with fp32 inputs go through engine/quant/native_k
+(integer dots on the stored rows read in place, activations quantized per call to 8 bits per 32- or
+256-block; nothing cached). Without a kernel (no compiler, no AVX2 for Q4_0, Q2_K/Q3_K/IQ1-3 types)
+native means exact.
 Caches are built lazily per weight on first use (never for the whole model at load) and live in
 the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
 memory (madvise).
 Every other block type (Q4_1, Q5_0, Q5_1, the K types, IQ4_NL, IQ4_XS: engine/quant/formats.py) has
-one CPU path, exact for any input dtype: each call decodes row chunks of the stored blocks with the
+one exact CPU path (cpu_matmul="exact", or a non-fp32 input), for any input dtype: each call decodes row chunks of the stored blocks with the
 type's registered decoder (`formats.dequantize_blocks`, bit-exact to gguf) into a reused fp32 buffer
 and multiplies them (sgemm); nothing is cached, so the weight stays at its stored size.
 F32/F16/BF16: F.linear (on CPU, a weight whose dtype differs from the input's is converted in row
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from swaserve.engine.quant import native
+from swaserve.engine.quant import native, native_k
 from swaserve.engine.quant.base import WEIGHTS_PER_BLOCK, QWeight
 from swaserve.engine.quant.dequant import (
     BLOCK_BYTES,
@@ -89,6 +92,8 @@ def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torc
         y = _cuda_linear(x2, w)
     elif cpu_matmul == "native" and native_ok(w) and x2.dtype == torch.float32:
         y = native.mm(x2, interleaved(w), n)
+    elif cpu_matmul == "native" and native_k_ok(w) and x2.dtype == torch.float32:
+        y = native_k.mm(w.qtype, x2, w.data, n)
     elif w.qtype == "Q4_0" and n % 16 == 0 and (x2.dtype == torch.bfloat16 or cpu_matmul == "fast"):
         y = _int4_linear(x2.to(torch.bfloat16), w).to(x.dtype)
     else:
@@ -100,6 +105,13 @@ def native_ok(w: QWeight) -> bool:
     """Whether the native kernel computes this CPU weight (Q4_0, K a multiple of 32, kernels built)."""
     return (w.qtype == "Q4_0" and w.shape[-1] % WEIGHTS_PER_BLOCK == 0 and not w.data.is_cuda
             and native.available())
+
+
+def native_k_ok(w: QWeight) -> bool:
+    """Whether engine/quant/native_k computes this CPU weight (its type has a kernel there, whole blocks
+    per row, rows contiguous: the stored bytes are read in place)."""
+    return (native_k.supports(w.qtype, w.shape[-1]) and not w.data.is_cuda and w.data.is_contiguous()
+            and native_k.available())
 
 
 def interleaved(w: QWeight) -> torch.Tensor:

@@ -1,4 +1,6 @@
-/* Integer CPU kernels for the GGUF block types other than Q4_0 (Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL with 8-bit
+/* Integer CPU kernels for the GGUF block types on their stored rows (Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and Q4_0
+for a layer mixing it with those or a CPU without AVX2 (native_q4.c's interleaved Q4_0 kernel is the main
+Q4_0 path), with 8-bit
 activations in 32-blocks; Q4_K, Q5_K, Q6_K, IQ4_XS with 8-bit activations in 256-blocks), loaded with
 ctypes by engine/quant/native_k.py. AVX2 + FMA + F16C bodies when built with them, plain C otherwise
 (the same source; see native_k_dots.h for the block layouts and the arithmetic).
@@ -40,6 +42,7 @@ static const TypeInfo TYPES[] = {
     {dot_q8_0, 32, 34, 32},    {dot_q4_1, 32, 20, 32},     {dot_q5_0, 32, 22, 32},
     {dot_q5_1, 32, 24, 32},    {dot_iq4_nl, 32, 18, 32},   {dot_q4_k, 256, 144, 256},
     {dot_q5_k, 256, 176, 256}, {dot_q6_k, 256, 210, 256},  {dot_iq4_xs, 256, 136, 256},
+    {dot_q4_0, 32, 18, 32},
 };
 #define NTYPES ((int)(sizeof(TYPES) / sizeof(TYPES[0])))
 

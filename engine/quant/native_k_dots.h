@@ -10,7 +10,7 @@ and the types with a minimum/offset subtract it through the code sums, so no wei
 Every kernel has an AVX2 body (compiled when __AVX2__ is defined) and a plain C one (the fallback, also
 built by the tests to check the AVX2 one).
 
-Stored blocks (GGUF): Q8_0 34 B = d, 32 int8.  Q4_1 20 B = d, m, 16 nibble bytes (w = d q + m).
+Stored blocks (GGUF): Q8_0 34 B = d, 32 int8.  Q4_0 18 B = d, 16 nibble bytes (w = d (q - 8)).  Q4_1 20 B = d, m, 16 nibble bytes (w = d q + m).
 Q5_0 22 B = d, qh[4], 16 nibble bytes (w = d (q - 16), 5th bit of element j = bit j of qh).
 Q5_1 24 B = d, m, qh[4], 16 B.  IQ4_NL 18 B = d, 16 B (w = d LEVEL[q]).  Nibble byte j holds
 element j (low) and j + 16 (high).
@@ -142,6 +142,7 @@ static inline __m256i iq4_levels(const uint8_t* qs) {
     return _mm256_shuffle_epi8(lut, nibbles32(qs));
 }
 #endif
+LEGACY_DOT(dot_q4_0, 18, 0, _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)), NIB(2) - 8)
 LEGACY_DOT(dot_q4_1, 20, 1, nibbles32(w + 4), NIB(4))
 LEGACY_DOT(dot_q5_0, 22, 0, _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), q5_high(w + 2)), _mm256_set1_epi8(16)),
            (int)(NIB(6) | q5bit(w + 2, j)) - 16)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from swaserve.engine.quant import native
+from swaserve.engine.quant import native, native_k
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import linear
@@ -96,12 +96,12 @@ def test_mm_within_activation_quantization_bound_of_exact(m: int) -> None:
     assert err.max() > 0  # it is the quantized path, not the exact one
 
 
-def test_linear_native_other_types_fall_back_to_exact() -> None:
+def test_linear_native_q8_0_goes_to_native_k() -> None:
     rng = np.random.default_rng(3)
     w = rng.standard_normal((40, 64)).astype(np.float32)
     qw = QWeight("Q8_0", w.shape, torch.from_numpy(quants.quantize(w, GGMLQuantizationType.Q8_0)))
     x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
-    assert torch.equal(linear(x, qw, "native"), linear(x, qw, "exact"))
+    assert torch.equal(linear(x, qw, "native"), native_k.mm("Q8_0", x, qw.data, 40))  # engine/quant/native_k
 
 
 def _moe_ref(x: torch.Tensor, gu: QWeight, dn: QWeight, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ VARIANTS = [v for v in ("simd", "scalar") if v == "scalar" or native_k.default_v
 pytestmark = pytest.mark.skipif(not native_k.available("scalar"),
                                 reason=f"native kernels: {native_k.why_unavailable('scalar')}")
 # byte offsets of each type's fp16 fields, and the byte ranges of the packed sub-block scales (ggml-common.h)
-HALVES = {"Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2],
+HALVES = {"Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2],
           "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
 SCALES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
 EXTREME = np.array([65504.0, -65504.0, 6.104e-5, 5.96e-8, -5.96e-8, 0.0, -0.0, 1.0, 1e-3], np.float16)
@@ -109,7 +109,7 @@ def test_mm_matches_float64_reference(qtype: str, variant: str, m: int, n: int, 
         assert ((y.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), (qtype, extreme)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != "Q4_0"])  # Q4_0: native.py's kernel first
 def test_linear_native_within_activation_bound_of_exact(qtype: str) -> None:
     """|native - exact| <= sum over activation blocks of sum|w| * (d_x / 2 (+ amax * 2^-11 where d_x is
     fp16-rounded)) + fp32 rounding: the only approximation is the activations' 8-bit rounding."""
@@ -166,7 +166,9 @@ def test_moe_equals_per_expert_reference(gu_type: str, dn_type: str, t: int, e: 
     rng = np.random.default_rng(t)
     h, inter = 256, 64 if native_k.TYPES[dn_type][1] == 32 else 256
     gu, dn = _weight(gu_type, 2 * inter, h, rng, (e,)), _weight(dn_type, h, inter, rng, (e,))
-    x = torch.from_numpy(rng.standard_normal((t, h)).astype(np.float32))
+    # small inputs: random IQ4_XS weights reach 400, and gelu(gate) * up of O(1e3) outputs would exceed
+    # what the fp16 scale of a Q8_0 activation block holds (amax / 127 > 65504: inf, as in ggml)
+    x = torch.from_numpy(rng.standard_normal((t, h)).astype(np.float32)) * 0.01
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])  # [T, k] distinct per token
     wt = torch.rand(t, topk, generator=g)
