@@ -20,6 +20,7 @@ d = amax / 127 per 256, q = round(x * 127 / amax), int16 code sums per 16 for th
 #include <string.h>
 
 #include "native_k_dots.h"
+#include "native_k_multi.h"
 
 int swa_k_abi(void) { return 1; }
 
@@ -30,19 +31,29 @@ int swa_k_simd(void) { return 0; }
 #endif
 
 typedef float (*DotFn)(const uint8_t*, const int8_t*, const float*, const int16_t*, int64_t);
+/* up to MULTI activation rows against one weight row: out[r] for rows q[r], d[r], s[r] (r < mt) */
+typedef void (*MultiFn)(const uint8_t*, int64_t, const int8_t* const*, const float* const*, const int16_t* const*,
+                        int, float*);
 
 /* type ids shared with native_k.py (TYPES there) */
 typedef struct {
     DotFn dot;
+    MultiFn multi;  /* NULL: row by row with `dot` */
     int elems;   /* weights per block */
     int bytes;   /* stored bytes per block */
     int act;     /* activation block: 32 (Q8_0 kind) or 256 (Q8_K kind) */
 } TypeInfo;
+#ifdef __AVX2__
+#define M_(f) f
+#else
+#define M_(f) NULL
+#endif
 static const TypeInfo TYPES[] = {
-    {dot_q8_0, 32, 34, 32},    {dot_q4_1, 32, 20, 32},     {dot_q5_0, 32, 22, 32},
-    {dot_q5_1, 32, 24, 32},    {dot_iq4_nl, 32, 18, 32},   {dot_q4_k, 256, 144, 256},
-    {dot_q5_k, 256, 176, 256}, {dot_q6_k, 256, 210, 256},  {dot_iq4_xs, 256, 136, 256},
-    {dot_q4_0, 32, 18, 32},
+    {dot_q8_0, M_(multi_q8_0), 32, 34, 32},      {dot_q4_1, M_(multi_q4_1), 32, 20, 32},
+    {dot_q5_0, M_(multi_q5_0), 32, 22, 32},      {dot_q5_1, M_(multi_q5_1), 32, 24, 32},
+    {dot_iq4_nl, M_(multi_iq4_nl), 32, 18, 32},  {dot_q4_k, M_(multi_q4_k), 256, 144, 256},
+    {dot_q5_k, M_(multi_q5_k), 256, 176, 256},   {dot_q6_k, M_(multi_q6_k), 256, 210, 256},
+    {dot_iq4_xs, NULL, 256, 136, 256},           {dot_q4_0, M_(multi_q4_0), 32, 18, 32},
 };
 #define NTYPES ((int)(sizeof(TYPES) / sizeof(TYPES[0])))
 
@@ -119,7 +130,16 @@ static void gemm_rows(const TypeInfo* t, const uint8_t* W, size_t rb, int64_t nb
         const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
         for (int64_t n = n0; n < n1; ++n) {
             const uint8_t* w = W + n * rb;
-            for (int64_t m = m0; m < m1; ++m) r->y[m][n] = t->dot(w, r->q[m], r->d[m], r->s[m], nb);
+            if (t->multi == NULL || m1 - m0 == 1) {
+                for (int64_t m = m0; m < m1; ++m) r->y[m][n] = t->dot(w, r->q[m], r->d[m], r->s[m], nb);
+                continue;
+            }
+            for (int64_t m = m0; m < m1; m += MULTI) {
+                const int mt = (int)(m1 - m < MULTI ? m1 - m : MULTI);
+                float out[MULTI];
+                t->multi(w, nb, r->q + m, r->d + m, r->s + m, mt, out);
+                for (int i = 0; i < mt; ++i) r->y[m + i][n] = out[i];
+            }
         }
     }
 }

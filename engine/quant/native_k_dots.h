@@ -301,3 +301,4 @@ static float dot_iq4_xs(const uint8_t* w, const int8_t* q, const float* d, const
     }
     return acc;
 }
+
