@@ -16,6 +16,7 @@ one warning line and `available()` False: callers keep the exact path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -79,8 +80,9 @@ def _build(variant: str) -> Path:
     return out
 
 
+@functools.cache
 def default_variant() -> str:
-    """"simd" on a CPU with AVX2/FMA/F16C (Linux), else "scalar"."""
+    """"simd" on a CPU with AVX2/FMA/F16C (Linux), else "scalar" (read once: every linear asks)."""
     return "scalar" if _cpu_ok() else "simd"
 
 
@@ -88,8 +90,9 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
     """The kernel library of `variant` (default: the CPU's), built on first use; None (logged once) when it
     cannot be had."""
     variant = variant or default_variant()
-    if variant in _libs:
-        return _libs[variant]
+    lib = _libs.get(variant, False)
+    if lib is not False:
+        return lib
     lib = None
     try:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see native.py: a shared box, sleep at barriers
