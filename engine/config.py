@@ -152,9 +152,10 @@ class EngineConfig:
         help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
              "to the HTTP server)")
     # CPU block-type linears with fp32 activations: "native" (integer kernels with 8-bit activations,
-    # llama.cpp's numerics: engine/quant/native.py for Q4_0, weights repacked at load; engine/quant/native_k.py
-    # for Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K types but Q2_K/Q3_K, IQ4_XS, on the stored rows; exact for
-    # the other types or when a kernel cannot be built), "exact" (dequantize + fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
+    # llama.cpp's numerics: engine/quant/native.py for Q4_0, weights repacked at load;
+    # engine/quant/native_k.py for Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K types but Q2_K/Q3_K, IQ4_XS, on
+    # the stored rows; exact for the other types or when a kernel cannot be built), "exact" (dequantize +
+    # fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
     # bf16 activations always take the int4 kernel. The model and the MoE backend get it at
     # construction (models/registry.py) and pass it to each linear.
     cpu_matmul: CpuMatmul = option(

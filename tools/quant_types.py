@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|" + "---|" * len(modes))
         for t in types:
             base = sums[modes[0]][t]
-            print(f"| {t} | " + " | ".join(f"{sums[m][t] / base:.3f}" if base else "-" for m in modes[1:]) + " |")
+            cells = [f"{sums[m][t] / base:.3f}" if base else "-" for m in modes[1:]]
+            print(f"| {t} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -57,8 +57,8 @@ class CpuMoE(MoEBackend):
                         for w in (ew.gate_up, ew.down)], progress)
         # per layer: (gate_up, down) as the layer's kernel reads them: interleaved [E, packed] uint8 (q4) or
         # the stored rows [E, N, row bytes] (k)
-        self.weights = [(interleaved(ew.gate_up), interleaved(ew.down)) if kd == "q4" else (ew.gate_up, ew.down)
-                        for ew, kd in zip(experts, self.kinds, strict=True)]
+        self.weights = [(interleaved(ew.gate_up), interleaved(ew.down)) if kd == "q4"
+                        else (ew.gate_up, ew.down) for ew, kd in zip(experts, self.kinds, strict=True)]
 
     @classmethod
     def create(cls, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device, *,

@@ -25,9 +25,10 @@ Caches are built lazily per weight on first use (never for the whole model at lo
 the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
 memory (madvise).
 Every other block type (Q4_1, Q5_0, Q5_1, the K types, IQ4_NL, IQ4_XS: engine/quant/formats.py) has
-one exact CPU path (cpu_matmul="exact", or a non-fp32 input), for any input dtype: each call decodes row chunks of the stored blocks with the
-type's registered decoder (`formats.dequantize_blocks`, bit-exact to gguf) into a reused fp32 buffer
-and multiplies them (sgemm); nothing is cached, so the weight stays at its stored size.
+one exact CPU path (cpu_matmul="exact", or a non-fp32 input), for any input dtype: each call decodes
+row chunks of the stored blocks with the type's registered decoder (`formats.dequantize_blocks`,
+bit-exact to gguf) into a reused fp32 buffer and multiplies them (sgemm); nothing is cached, so the
+weight stays at its stored size.
 F32/F16/BF16: F.linear (on CPU, a weight whose dtype differs from the input's is converted in row
 chunks). On CUDA every block type goes to the Triton kernels of engine.quant.triton_q4 when
 importable, else dequantize + matmul.

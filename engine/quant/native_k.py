@@ -141,7 +141,8 @@ def _check(qtype: str, data: torch.Tensor, n: int, k: int) -> int:
         raise ValueError(f"no native kernel for {qtype} with {k} input features")
     tid, elems, nbytes, _ = TYPES[qtype]
     assert data.dtype == torch.uint8 and data.is_contiguous() and not data.is_cuda, (data.dtype, data.device)
-    assert data.shape[-1] == k // elems * nbytes and data.numel() % (n * data.shape[-1]) == 0, (data.shape, n, k)
+    assert data.shape[-1] == k // elems * nbytes, (qtype, data.shape, k)
+    assert data.numel() % (n * data.shape[-1]) == 0, (qtype, data.shape, n)
     return tid
 
 
@@ -160,7 +161,8 @@ def quant(qtype: str, x: torch.Tensor, variant: str | None = None) -> tuple[torc
 
 def mm(qtype: str, x: torch.Tensor, data: torch.Tensor, n: int, threads: int | None = None,
        variant: str | None = None) -> torch.Tensor:
-    """x fp32 [M, K] @ W^T -> fp32 [M, n], W the stored `qtype` rows uint8 [n, row bytes] (x quantized inside)."""
+    """x fp32 [M, K] @ W^T -> fp32 [M, n], W the stored `qtype` rows uint8 [n, row bytes] (x quantized
+    inside)."""
     x = x.to(torch.float32).contiguous()
     m, k = x.shape
     tid = _check(qtype, data, n, k)

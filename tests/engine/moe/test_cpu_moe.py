@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from swaserve.engine.moe import MOE_BACKENDS, get_moe_backend
-from swaserve.engine.moe.cpu_backend import CpuMoE
 from swaserve.engine.moe.base import ExpertWeights
+from swaserve.engine.moe.cpu_backend import CpuMoE
 from swaserve.engine.quant import native
 from swaserve.engine.quant.base import QWeight
 from swaserve.models.random_blocks import random_blocks
@@ -74,8 +74,8 @@ def test_cpu_moe_other_types_per_layer_match_torch_exact() -> None:
     rng = np.random.default_rng(5)
     hid, inter = 256, 256
     pairs = [("Q4_K", "Q6_K"), ("Q4_K", "Q5_0"), ("Q4_K", "Q8_0"), ("Q5_K", "IQ4_XS"), ("Q4_0", "Q4_0")]
-    layers = [ExpertWeights(gate_up=_stored(rng, a, (E, 2 * inter, hid)), down=_stored(rng, b, (E, hid, inter)))
-              for a, b in pairs]
+    layers = [ExpertWeights(gate_up=_stored(rng, a, (E, 2 * inter, hid)),
+                            down=_stored(rng, b, (E, hid, inter))) for a, b in pairs]
     cfg = make_cfg(E, TOPK, hid, inter, num_layers=len(pairs))
     assert MOE_BACKENDS.resolve("auto", layers, torch.device("cpu"), "native") == "cpu"
     ref = get_moe_backend("torch", cfg, layers, "cpu", cpu_matmul="exact")

@@ -23,8 +23,8 @@ VARIANTS = [v for v in ("simd", "scalar") if v == "scalar" or native_k.default_v
 pytestmark = pytest.mark.skipif(not native_k.available("scalar"),
                                 reason=f"native kernels: {native_k.why_unavailable('scalar')}")
 # byte offsets of each type's fp16 fields, and the byte ranges of the packed sub-block scales (ggml-common.h)
-HALVES = {"Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2],
-          "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+HALVES = {"Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0],
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
 SCALES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
 EXTREME = np.array([65504.0, -65504.0, 6.104e-5, 5.96e-8, -5.96e-8, 0.0, -0.0, 1.0, 1e-3], np.float16)
 
