@@ -153,7 +153,7 @@ class EngineConfig:
              "to the HTTP server)")
     # CPU block-type linears with fp32 activations: "native" (integer kernels with 8-bit activations,
     # llama.cpp's numerics: engine/quant/native.py for Q4_0, weights repacked at load;
-    # engine/quant/native_k.py for Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K types but Q2_K/Q3_K, IQ4_XS, on
+    # engine/quant/native_k.py for Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, the K types, IQ4_XS, on
     # the stored rows; exact for the other types or when a kernel cannot be built), "exact" (dequantize +
     # fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
     # bf16 activations always take the int4 kernel. The model and the MoE backend get it at
@@ -161,7 +161,7 @@ class EngineConfig:
     cpu_matmul: CpuMatmul = option(
         "native", "--cpu-matmul",
         help="CPU quantized linears of fp32 activations: native (default: integer kernels with 8-bit "
-             "activations, llama.cpp's numerics; Q2_K/Q3_K/IQ1-3 types stay exact), exact (dequantize + "
+             "activations, llama.cpp's numerics; the IQ1-3 codebook types stay exact), exact (dequantize + "
              "fp32 matmul) or fast (bf16 int4 kernel, Q4_0)")
     # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
     # read when the config (or the flag parser) is built

@@ -6,7 +6,7 @@ weighted combine; the work items (expert, row chunk) share one OpenMP region. Tw
 - Q4_0 gate_up and down: engine/quant/native.py's Q4_0 x Q8_0 kernel on the interleaved form, built once
   here, at construction (progress bar); the file pages are released, so host memory holds ~1.0x the
   experts' file bytes.
-- any other pair of the types of engine/quant/native_k.py (Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K,
+- any other pair of the types of engine/quant/native_k.py (Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K,
   IQ4_XS, Q4_0; e.g. Q4_K_M's Q4_K gate_up with a Q6_K, Q5_0 or Q8_0 down): native_k's kernel on the
   stored rows, read in place (nothing is built).
 
@@ -14,7 +14,7 @@ weighted combine; the work items (expert, row chunk) share one OpenMP region. Tw
 in host memory, the normed input [T, H] and the routing come to the host, and the result goes back in
 the caller's dtype and device. The `auto` rule picks it on a CPU device when every layer's experts have
 a kernel, the engine's cpu_matmul is "native" and the kernels are built; otherwise the torch backend (the
-reference). Other experts (Q2_K, Q3_K, the IQ1-3 types, float) are refused at construction.
+reference). Other experts (the IQ1-3 codebook types, float) are refused at construction.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ CPU, Q4_0/Q8_0, two paths chosen by the input dtype:
 through the native Q4_0 x Q8_0 kernel (engine/quant/native.py: activations quantized per 32-block to 8
 bits, integer dots; llama.cpp's numerics) on the weight's interleaved form, which `prepare_native`
 builds once at load (lossless, same bytes as the file; the file pages are released). Q8_0, Q4_1,
-Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS weights with fp32 inputs go through engine/quant/native_k
+Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K and IQ4_XS weights with fp32 inputs go through engine/quant/native_k
 (integer dots on the stored rows read in place, activations quantized per call to 8 bits per 32- or
-256-block; nothing cached). Without a kernel (no compiler, no AVX2 for Q4_0, Q2_K/Q3_K/IQ1-3 types)
-native means exact.
+256-block; nothing cached). Without a kernel (no compiler, the IQ1/IQ2/IQ3 codebook types) native
+means exact.
 Caches are built lazily per weight on first use (never for the whole model at load) and live in
 the QWeight's declared `cache`; once a Q4_0 weight is cached, its file pages are dropped from
 memory (madvise).

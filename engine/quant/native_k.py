@@ -2,8 +2,8 @@
 called through ctypes, as engine/quant/native.py does for Q4_0 (same cache directory and reasons).
 
 Types: Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_0 (activations quantized per 32-block to 8 bits, ggml's Q8_0) and
-Q4_K, Q5_K, Q6_K, IQ4_XS (activations per 256-block, Q8_K-like, with code sums per 16). Q2_K, Q3_K and
-the lattice-codebook types (IQ1/IQ2/IQ3) have no kernel: callers keep the exact path for them.
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (activations per 256-block, Q8_K-like, with code sums per 16). The
+lattice-codebook types (IQ1/IQ2/IQ3) have no kernel: callers keep the exact path for them.
 The weights are the stored GGUF rows, read in place (no repacked copy: resident memory stays the file's).
 Q4_0 is here for MoE layers that mix it with another type and for CPUs without AVX2; its main path is
 native.py's interleaved kernel (engine/quant/linear.py tries that first).
@@ -41,6 +41,7 @@ TYPES = {
     "Q8_0": (0, 32, 34, 32), "Q4_1": (1, 32, 20, 32), "Q5_0": (2, 32, 22, 32), "Q5_1": (3, 32, 24, 32),
     "IQ4_NL": (4, 32, 18, 32), "Q4_K": (5, 256, 144, 256), "Q5_K": (6, 256, 176, 256),
     "Q6_K": (7, 256, 210, 256), "IQ4_XS": (8, 256, 136, 256), "Q4_0": (9, 32, 18, 32),
+    "Q2_K": (10, 256, 84, 256), "Q3_K": (11, 256, 110, 256),
 }
 
 _P = ctypes.c_void_p

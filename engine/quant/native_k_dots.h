@@ -302,3 +302,50 @@ static float dot_iq4_xs(const uint8_t* w, const int8_t* q, const float* d, const
     return acc;
 }
 
+
+/* Q2_K 84 B = scales[16] (low nibble: scale, high: minimum, per 16 weights), qs[64] (2-bit codes), d, dmin;
+   Q3_K 110 B = hmask[32] (3rd bit), qs[64], 12 B of 6-bit scales (stored + 32), d. Group g = 8h + 2j + t
+   of 16 weights (half h, shift 2j, t = first / second 16 of the 32 code bytes qs[32h ..]) has scale g;
+   Q3_K's 3rd bit of weight l of the group is bit 4h + j of hmask[16t + l] (set: code, clear: code - 4).
+   Plain C in both builds (gcc vectorizes the inner loops); no multi-row form. */
+static inline void q3_scales(const uint8_t* p, int* sc) {
+    for (int g = 0; g < 16; ++g) {
+        const int low = g < 8 ? p[g] & 15 : p[g - 8] >> 4;
+        const int high = (p[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        sc[g] = (low | (high << 4)) - 32;
+    }
+}
+static float dot_q23_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb, int three) {
+    float acc = 0.f, accm = 0.f;
+    for (int64_t i = 0; i < nb; ++i, w += three ? 110 : 84) {
+        const uint8_t* qs = w + (three ? 32 : 16);
+        const int8_t* x = q + 256 * i;
+        int sc[16], summ = 0;
+        int32_t sumi = 0;
+        if (three) q3_scales(w + 96, sc);
+        for (int g = 0; g < 16; ++g) {
+            const int h = g >> 3, j = (g >> 1) & 3, t = g & 1;
+            const uint8_t* c = qs + 32 * h + 16 * t;
+            int32_t dot = 0;
+            if (three) {
+                const uint8_t* hm = w + 16 * t;
+                for (int l = 0; l < 16; ++l)
+                    dot += (((c[l] >> (2 * j)) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4)) * x[16 * g + l];
+                sumi += sc[g] * dot;
+            } else {
+                for (int l = 0; l < 16; ++l) dot += ((c[l] >> (2 * j)) & 3) * x[16 * g + l];
+                sumi += (w[g] & 15) * dot;
+                summ += (w[g] >> 4) * s[16 * i + g];
+            }
+        }
+        acc += fp16(w + (three ? 108 : 80)) * d[i] * (float)sumi;
+        if (!three) accm += fp16(w + 82) * d[i] * (float)summ;
+    }
+    return acc - accm;
+}
+static float dot_q2_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
+    return dot_q23_k(w, q, d, s, nb, 0);
+}
+static float dot_q3_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
+    return dot_q23_k(w, q, d, s, nb, 1);
+}

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(not native_k.available("scalar"),
                                 reason=f"native kernels: {native_k.why_unavailable('scalar')}")
 # byte offsets of each type's fp16 fields, and the byte ranges of the packed sub-block scales (ggml-common.h)
 HALVES = {"Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
-SCALES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0], "Q2_K": [80, 82], "Q3_K": [108]}
+SCALES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8), "Q2_K": (0, 16),
+          "Q3_K": (96, 108)}
 EXTREME = np.array([65504.0, -65504.0, 6.104e-5, 5.96e-8, -5.96e-8, 0.0, -0.0, 1.0, 1e-3], np.float16)
 
 
@@ -134,11 +135,11 @@ def test_linear_native_within_activation_bound_of_exact(qtype: str) -> None:
 
 def test_types_without_a_kernel_stay_exact() -> None:
     rng = np.random.default_rng(2)
-    raw = rng.integers(0, 256, size=(8, 84), dtype=np.uint8)  # Q2_K: 84 bytes per 256 weights
-    raw[:, 80:84] = np.array([0.01, 0.001], np.float16).view(np.uint8)
-    w = QWeight("Q2_K", (8, 256), torch.from_numpy(raw))
+    raw = rng.integers(0, 256, size=(8, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes per 256 weights
+    raw[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    w = QWeight("IQ2_XXS", (8, 256), torch.from_numpy(raw))
     x = torch.randn(2, 256)
-    assert not native_k.supports("Q2_K", 256)
+    assert not native_k.supports("IQ2_XXS", 256)
     assert torch.equal(linear(x, w, "native"), linear(x, w, "exact"))
 
 
@@ -160,7 +161,7 @@ def _moe_ref(x: torch.Tensor, gu: QWeight, dn: QWeight, ids: torch.Tensor, w: to
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("gu_type", "dn_type", "t", "e", "topk"),
                          [("Q4_K", "Q6_K", 1, 8, 2), ("Q5_K", "Q5_1", 5, 8, 3), ("Q4_K", "Q5_0", 9, 4, 2),
-                          ("IQ4_XS", "Q8_0", 3, 4, 4)])
+                          ("IQ4_XS", "Q8_0", 3, 4, 4), ("Q3_K", "Q2_K", 2, 4, 2)])
 def test_moe_equals_per_expert_reference(gu_type: str, dn_type: str, t: int, e: int, topk: int,
                                          variant: str) -> None:
     rng = np.random.default_rng(t)
