@@ -343,9 +343,9 @@ static float dot_q23_k(const uint8_t* w, const int8_t* q, const float* d, const 
     }
     return acc - accm;
 }
-static float dot_q2_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
+static inline float dot_q2_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
     return dot_q23_k(w, q, d, s, nb, 0);
 }
-static float dot_q3_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
+static inline float dot_q3_k(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
     return dot_q23_k(w, q, d, s, nb, 1);
 }

@@ -32,19 +32,20 @@ LEGACY_MULTI(multi_q5_0, 22, 0, _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6)
 LEGACY_MULTI(multi_q5_1, 24, 1, _mm256_or_si256(nibbles32(w + 8), q5_high(w + 4)))
 LEGACY_MULTI(multi_iq4_nl, 18, 0, iq4_levels(w + 2))
 
-/* Q4_K (kind 0), Q5_K (1), Q6_K (2): a super-block becomes 8 vectors of 32 unsigned codes (code k holds
+/* Q4_K (kind 0), Q5_K (1), Q6_K (2), Q2_K (3), Q3_K (4): a super-block becomes 8 vectors of 32 unsigned codes (code k holds
    weights 32k .. 32k + 31) and 8 int16 scale vectors (per 32, or per 16 for Q6_K: low lanes = first 16);
    then per row sum_k madd(maddubs(code_k, x_k), scale_k), and the minimum / offset term from the sums */
 static void multi_k(int kind, const uint8_t* w, int64_t nb, const int8_t* const* q, const float* const* d,
                     const int16_t* const* s, int mt, float* out) {
-    const int bytes = kind == 0 ? 144 : kind == 1 ? 176 : 210;
+    static const int BYTES[5] = {144, 176, 210, 84, 110};
+    const int bytes = BYTES[kind];
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     __m256 acc[MULTI];
     float accm[MULTI] = {0.f, 0.f, 0.f, 0.f};
     for (int r = 0; r < mt; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i, w += bytes) {
         __m256i c[8], scv[8];
-        int mn[8] = {0}, sc6[16] = {0};
+        int mn[16] = {0}, sc6[16] = {0};
         float dw, dmin = 0.f;
         if (kind < 2) {
             const uint8_t* qs = w + (kind ? 48 : 16);
@@ -67,6 +68,24 @@ static void multi_k(int kind, const uint8_t* w, int64_t nb, const int8_t* const*
             }
             dw = fp16(w);
             dmin = fp16(w + 2);
+        } else if (kind >= 3) {  /* Q2_K / Q3_K: code k = 2-bit field j of the 32 bytes of half h */
+            const __m256i hm = _mm256_loadu_si256((const __m256i*)w);
+            if (kind == 4) q3_scales(w + 96, sc6);
+            for (int k = 0; k < 8; ++k) {
+                const int h = k >> 2, j = k & 3;
+                __m256i v = _mm256_loadu_si256((const __m256i*)(w + (kind == 3 ? 16 : 32) + 32 * h));
+                c[k] = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * j)), m3);
+                if (kind == 4) {  /* the 3rd bit: code + 4 (the -4 offset goes through the sums) */
+                    __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + j)), one);
+                    c[k] = _mm256_or_si256(c[k], _mm256_slli_epi16(hb, 2));
+                }
+                const int s0 = kind == 3 ? w[2 * k] & 15 : sc6[2 * k], s1 = kind == 3 ? w[2 * k + 1] & 15 : sc6[2 * k + 1];
+                scv[k] = _mm256_setr_m128i(_mm_set1_epi16((short)s0), _mm_set1_epi16((short)s1));
+            }
+            if (kind == 3)
+                for (int g = 0; g < 16; ++g) mn[g] = w[g] >> 4;
+            dw = fp16(w + (kind == 3 ? 80 : 108));
+            dmin = kind == 3 ? fp16(w + 82) : 0.f;
         } else {
             const int8_t* sc = (const int8_t*)(w + 192);
             for (int h = 0; h < 2; ++h) {
@@ -96,9 +115,12 @@ static void multi_k(int kind, const uint8_t* w, int64_t nb, const int8_t* const*
             if (kind < 2) {
                 for (int j = 0; j < 8; ++j) extra += mn[j] * (sr[2 * j] + sr[2 * j + 1]);
                 accm[r] += dmin * d[r][i] * (float)extra;
+            } else if (kind == 3) {
+                for (int g = 0; g < 16; ++g) extra += mn[g] * sr[g];
+                accm[r] += dmin * d[r][i] * (float)extra;
             } else {
                 for (int g = 0; g < 16; ++g) extra += sc6[g] * sr[g];
-                sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * extra, 0, 0, 0, 0, 0, 0, 0));
+                sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32((kind == 2 ? 32 : 4) * extra, 0, 0, 0, 0, 0, 0, 0));
             }
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * d[r][i]), acc[r]);
         }
@@ -111,4 +133,15 @@ static void NAME(const uint8_t* w, int64_t nb, const int8_t* const* q, const flo
 K_MULTI(multi_q4_k, 0)
 K_MULTI(multi_q5_k, 1)
 K_MULTI(multi_q6_k, 2)
+K_MULTI(multi_q2_k, 3)
+K_MULTI(multi_q3_k, 4)
+/* one row through the multi-row body (Q2_K / Q3_K have no separate AVX2 one-row function) */
+#define K_ONE(NAME, MULTI_FN)                                                                           \
+static float NAME(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {  \
+    float o;                                                                                            \
+    MULTI_FN(w, nb, &q, &d, &s, 1, &o);                                                                 \
+    return o;                                                                                           \
+}
+K_ONE(one_q2_k, multi_q2_k)
+K_ONE(one_q3_k, multi_q3_k)
 #endif
