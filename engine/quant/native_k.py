@@ -91,9 +91,8 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
     """The kernel library of `variant` (default: the CPU's), built on first use; None (logged once) when it
     cannot be had."""
     variant = variant or default_variant()
-    lib = _libs.get(variant, False)
-    if lib is not False:
-        return lib
+    if variant in _libs:
+        return _libs[variant]
     lib = None
     try:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see native.py: a shared box, sleep at barriers

@@ -186,3 +186,10 @@ def test_bad_input_is_refused() -> None:
                      torch.ones(1, 1))
     with pytest.raises(ValueError, match="no native kernel for Q4_K with 96"):
         native_k.mm("Q4_K", torch.zeros(1, 96), torch.zeros(4, 54, dtype=torch.uint8), 4)
+
+
+def test_the_two_builds_are_what_they_say() -> None:
+    """The fallback build has no AVX2 body (so the tests above check the plain C code), the simd one has."""
+    assert native_k.load("scalar").swa_k_simd() == 0
+    if "simd" in VARIANTS:
+        assert native_k.load("simd").swa_k_simd() == 1
