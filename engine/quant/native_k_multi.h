@@ -144,4 +144,35 @@ static float NAME(const uint8_t* w, const int8_t* q, const float* d, const int16
 }
 K_ONE(one_q2_k, multi_q2_k)
 K_ONE(one_q3_k, multi_q3_k)
+
+/* IQ4_XS: 8 vectors of 32 signed levels and the 8 sub-block scales (ls - 32) once, then per row
+   sum_k madd(maddubs(|level_k|, x_k * sign(level_k)), scale_k) (|level| <= 127: no saturation) */
+static void multi_iq4_xs(const uint8_t* w, int64_t nb, const int8_t* const* q, const float* const* d,
+                         const int16_t* const* s, int mt, float* out) {
+    (void)s;
+    __m256 acc[MULTI];
+    for (int r = 0; r < mt; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i, w += 136) {
+        __m256i c[8], ac[8], scv[8];
+        uint16_t sh;
+        memcpy(&sh, w + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+            const int ls = ((w[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+            c[j] = iq4_levels(w + 8 + 16 * j);
+            ac[j] = _mm256_sign_epi8(c[j], c[j]);
+            scv[j] = _mm256_set1_epi16((short)(ls - 32));
+        }
+        const float dw = fp16(w);
+        for (int r = 0; r < mt; ++r) {
+            const int8_t* x = q[r] + 256 * i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x + 32 * j)), c[j]);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(ac[j], xs), scv[j]));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * d[r][i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mt; ++r) out[r] = hsum256(acc[r]);
+}
 #endif
