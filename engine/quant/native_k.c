@@ -55,7 +55,7 @@ static const TypeInfo TYPES[] = {
     {dot_q5_0, M_(multi_q5_0), 32, 22, 32},      {dot_q5_1, M_(multi_q5_1), 32, 24, 32},
     {dot_iq4_nl, M_(multi_iq4_nl), 32, 18, 32},  {dot_q4_k, M_(multi_q4_k), 256, 144, 256},
     {dot_q5_k, M_(multi_q5_k), 256, 176, 256},   {dot_q6_k, M_(multi_q6_k), 256, 210, 256},
-    {dot_iq4_xs, M_(multi_iq4_xs), 256, 136, 256},           {dot_q4_0, M_(multi_q4_0), 32, 18, 32},
+    {D_(one_iq4_xs, dot_iq4_xs), M_(multi_iq4_xs), 256, 136, 256},           {dot_q4_0, M_(multi_q4_0), 32, 18, 32},
     {D_(one_q2_k, dot_q2_k), M_(multi_q2_k), 256, 84, 256},
     {D_(one_q3_k, dot_q3_k), M_(multi_q3_k), 256, 110, 256},
 };

@@ -273,7 +273,7 @@ static float dot_q6_k(const uint8_t* w, const int8_t* q, const float* d, const i
 }
 
 /* IQ4_XS: per sub-block j of 32, d (ls_j - 32) * (LEVEL[q] . x)_j, times dx */
-static float dot_iq4_xs(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
+static inline float dot_iq4_xs(const uint8_t* w, const int8_t* q, const float* d, const int16_t* s, int64_t nb) {
     (void)s;
     float acc = 0.f;
     for (int64_t i = 0; i < nb; ++i, w += 136) {

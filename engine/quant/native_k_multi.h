@@ -175,4 +175,5 @@ static void multi_iq4_xs(const uint8_t* w, int64_t nb, const int8_t* const* q, c
     }
     for (int r = 0; r < mt; ++r) out[r] = hsum256(acc[r]);
 }
+K_ONE(one_iq4_xs, multi_iq4_xs)
 #endif
