@@ -23,21 +23,24 @@ from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import linear
 from swaserve.models.quant_mix import BLOCK_QTYPES, block_elems
 from swaserve.models.random_blocks import random_blocks
-from tools.quant_matmul import SHAPES, time_call
+from tools.quant_matmul import LM_HEAD, SHAPES, time_call
 
 
-def run(types: list[str], rows: int, out=sys.stdout, mode: str = "exact") -> dict[str, float]:
-    """Print the table; return {type: summed ms over the shapes every type can hold}."""
+def run(types: list[str], rows: int, out=sys.stdout, mode: str = "exact",
+        lm_head: bool = False) -> dict[str, float]:
+    """Print the table; return {type: summed ms over the shapes every type can hold} (`lm_head`: the
+    262144 x 2816 tied lm_head shape alone)."""
+    shapes = [LM_HEAD] if lm_head else SHAPES
     dev = torch.device("cpu")
     print(f"threads {torch.get_num_threads()}, rows {rows}, fp32 input, --cpu-matmul {mode}", file=out)
-    cols = [f"{name} ({k}->{n})" for name, k, n in SHAPES]
+    cols = [f"{name} ({k}->{n})" for name, k, n in shapes]
     print("| type | " + " | ".join(cols) + " | sum ms | x Q4_0 |", file=out)
     print("|" + "---|" * (len(cols) + 3), file=out)
-    common = [s for s in SHAPES if all(s[1] % block_elems(t) == 0 for t in types)]
+    common = [s for s in shapes if all(s[1] % block_elems(t) == 0 for t in types)]
     sums: dict[str, float] = {}
     for qtype in types:
         cells, total = [], 0.0
-        for name, k, n in SHAPES:
+        for name, k, n in shapes:
             if k % block_elems(qtype):
                 cells.append("-")
                 continue
@@ -50,7 +53,7 @@ def run(types: list[str], rows: int, out=sys.stdout, mode: str = "exact") -> dic
         sums[qtype] = total
         ratio = f"{total / sums['Q4_0']:.1f}" if "Q4_0" in sums else ""
         print(f"| {qtype} | " + " | ".join(cells) + f" | {total:.1f} | {ratio} |", file=out, flush=True)
-    if len(common) < len(SHAPES):
+    if len(common) < len(shapes):
         print(f"sum over the shapes every listed type holds: {', '.join(s[0] for s in common)}", file=out)
     return sums
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.quant_types", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1, help="input rows (default 1: decode)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--lm-head", action="store_true",
+                   help="time only the 262144 x 2816 tied lm_head shape (its weight: 0.5-1 GB per type)")
     p.add_argument("--modes", default="exact", help="--cpu-matmul modes, comma-separated (default exact)")
     p.add_argument("--types", default=",".join(BLOCK_QTYPES), help="comma-separated types (Q4_0 first)")
     args = p.parse_args(argv)
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"--types: unknown {bad}; expected some of {', '.join(BLOCK_QTYPES)}")
     modes = [m for m in args.modes.split(",") if m]
-    sums = {m: run(types, args.rows, mode=m) for m in modes}
+    sums = {m: run(types, args.rows, mode=m, lm_head=args.lm_head) for m in modes}
     if len(modes) > 1:
         print("| type | " + " | ".join(f"{m} / {modes[0]}" for m in modes[1:]) + " |")
         print("|" + "---|" * len(modes))
