@@ -17,6 +17,7 @@ before each read (no access beyond its end). On a GPU the copies go through this
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -63,6 +64,16 @@ def file_identity(path: str, sample: int = 1 << 20) -> tuple[int, str]:
             f.seek(max(sample, size - sample))
             h.update(f.read(sample))
     return size, h.hexdigest()
+
+
+def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one page record: a plain memcpy between host tensors (torch's parallel copy is many times slower
+    on a busy machine), torch's copy to or from a device."""
+    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
+        assert dst.nbytes == src.nbytes
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+    else:
+        dst.copy_(src)
 
 
 class MmapTierIO:
@@ -130,7 +141,7 @@ class MmapTierIO:
         ro = self._rec_off(kind, slot)
         self.mm[ro:ro + REC_BYTES] = bytes(REC_BYTES)  # unsealed while the payload changes
         off, dst = self._payload(kind, slot)
-        dst.copy_(self._page(kind, page))
+        _move(dst, self._page(kind, page))
         n = self.page_bytes[kind]
         REC.pack_into(self.mm, ro, REC_MAGIC, KIND_CODE[kind], key, self.fp, self._crc(off, n), n)
 
@@ -144,8 +155,15 @@ class MmapTierIO:
         off, src = self._payload(kind, slot)
         if self._crc(off, n) != crc:
             return False
-        self._page(kind, page).copy_(src)
+        _move(self._page(kind, page), src)
         return True
+
+    def prefetch(self, kind: str, slot: int) -> None:
+        """Ask the kernel to start reading a record (MADV_WILLNEED): the reads of a promotion overlap."""
+        if self._intact() and hasattr(mmap, "MADV_WILLNEED"):
+            off = self.payload_off + slot * self.page_bytes[kind]
+            start = off - off % mmap.PAGESIZE
+            self.mm.madvise(mmap.MADV_WILLNEED, start, off + self.page_bytes[kind] - start)
 
     def invalidate(self, kind: str, slot: int) -> None:
         if self._intact():

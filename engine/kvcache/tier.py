@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -143,6 +144,7 @@ class KVTier:
         self.promotions = 0  # admissions that promoted pages
         self.promoted_tokens = 0  # prompt tokens of reuse the promotions added
         self.reopened = 0  # records found valid when the store was opened
+        self.read_seconds = self.write_seconds = 0.0  # time in the byte moves (verification included)
         for kind, slot, key in io.records():
             if (kind, key) not in self._lru and self.slots.claim(kind, slot):
                 self._lru[(kind, key)] = slot
@@ -170,10 +172,21 @@ class KVTier:
             slot = self.slots.alloc(kind)
         if slot is None:
             return False
+        t0 = time.perf_counter()
         self.io.write(kind, page, slot, key)
+        self.write_seconds += time.perf_counter() - t0
         self._lru[k] = slot
         self.written[kind] += 1
         return True
+
+    def prefetch(self, kind: str, keys: Sequence[bytes]) -> None:
+        """Hint that these records are about to be loaded (the store may start reading them)."""
+        pf = getattr(self.io, "prefetch", None)
+        if pf is not None:
+            for key in keys:
+                slot = self._lru.get((kind, key))
+                if slot is not None:
+                    pf(kind, slot)
 
     def load(self, kind: str, key: bytes, page: int) -> bool:
         """Copy the record of `key` into pool page `page`; False (record dropped) when the tier lacks it or
@@ -182,7 +195,10 @@ class KVTier:
         slot = self._lru.get(k)
         if slot is None:
             return False
-        if not self.io.read(kind, slot, page, key):
+        t0 = time.perf_counter()
+        ok = self.io.read(kind, slot, page, key)
+        self.read_seconds += time.perf_counter() - t0
+        if not ok:
             del self._lru[k]
             self.io.invalidate(kind, slot)
             self.slots.free(kind, slot)
@@ -224,6 +240,7 @@ class KVTier:
             "bytes_read": sum(self.read[k] * pb[k] for k in KINDS),
             "rejected": self.rejected, "dropped": self.dropped, "promotions": self.promotions,
             "promoted_tokens": self.promoted_tokens, "reopened": self.reopened,
+            "read_seconds": self.read_seconds, "write_seconds": self.write_seconds,
         }
 
 

@@ -12,13 +12,25 @@ nothing unverified is ever inserted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from swaserve.engine.kvcache import SWARadixCache
+from swaserve.engine.kvcache import PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier import ROOT_KEY, KVTier, chain_keys
 
-if TYPE_CHECKING:
-    from swaserve.engine.scheduler.kv_manager import KVManager
+
+class KVManager(Protocol):
+    """What promote() uses of engine/scheduler/kv_manager.py's KVManager."""
+
+    cache: PrefixCache
+    page_size: int
+    arena: Any
+    full_alloc: PagePool
+    swa_alloc: PagePool
+
+    @property
+    def tier(self) -> KVTier | None: ...
+
+    def _alloc(self, alloc: PagePool, n: int) -> list[int] | None: ...
 
 
 def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, int, int, list[bytes]]:
@@ -82,6 +94,8 @@ def promote(kv: KVManager, ids: Sequence[int]) -> int:
             if more is None:
                 return 0
             got_swa.extend(more)
+        tier.prefetch("full", keys[p:k])
+        tier.prefetch("swa", [keys[i] for i in loads])
         new_full = full_now[:p] + got_full
         new_swa: list[int | None] = [None] * k
         for i, page in zip(range(p, k), got_full):
