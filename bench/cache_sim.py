@@ -231,9 +231,14 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     st = cache.stats()
     if policy == KEEP_EVERYTHING:
         assert st["evicted_swa_pages"] == st["evicted_full_pages"] == 0, "keep-everything evicted"
-    if tier is not None:
+    if tier is not None:  # nothing leaked: every page returns once the cache is flushed
         sched.check_integrity()
         assert not sched.running and cache.full_locked == 0, "pages still locked after the trace"
+        st = cache.stats()
+        cache.reset()
+        kv = sched.kv
+        assert kv.full_alloc.num_used == kv.swa_alloc.num_used == 0, "pages leaked"
+        tier.check()
     return Row(workload, policy, windows, sum(r.cached_tokens or 0 for r in done),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from swaserve.bench.cache_sim import KEEP_EVERYTHING, TIER, Geometry, simulate
+from swaserve.bench.cache_sim import KEEP_EVERYTHING, TIER, Geometry, SimTierIO, simulate
 from swaserve.bench.cache_traces import TraceShape, make_trace
 
 SMALL = TraceShape(groups=8, per_group=4, system_len=256, question_len=16, fanout_answer_len=8,
@@ -32,6 +34,22 @@ def test_tier_serves_correct_kv_and_beats_lazy(workload: str, arena: bool) -> No
         assert tier.tier["promotions"] > 0 and tier.tier["pages_read_swa"] > 0
 
 
+def test_refused_records_are_recomputed(monkeypatch) -> None:
+    """Every other record written is corrupt: those are refused on read (never served), the promotion is
+    undone and the KV recomputed; every read stays correct."""
+    original = SimTierIO.write
+
+    def write(self, kind, pg, slot, key):
+        original(self, kind, pg, slot, key)
+        if slot % 2 == 0:
+            self.corrupt(kind, slot)
+
+    monkeypatch.setattr(SimTierIO, "write", write)
+    trace = make_trace("fanout-rr", SMALL)[:40]
+    row = simulate("fanout-rr", trace, TIER, 1, SMALL_GEO, check=True)
+    assert row.tier is not None and row.tier["rejected"] > 0
+
+
 def test_a_small_tier_drops_records_and_stays_correct() -> None:
     trace = make_trace("fanout-rr", SMALL)[:40]
     geo = dataclasses.replace(SMALL_GEO, tier_blocks=40)
@@ -50,3 +68,40 @@ def test_round_robin_fanout_target(windows: int) -> None:
     upper = simulate("fanout-rr", trace, KEEP_EVERYTHING, "roomy", Geometry())
     row = simulate("fanout-rr", trace, TIER, windows, Geometry())
     assert row.reused_tokens >= 0.9 * upper.reused_tokens, (row.reused_tokens, upper.reused_tokens)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=st.sampled_from(["fanout-rr", "mixed-rr", "multiturn", "mixed-seq"]),
+       page=st.sampled_from([1, 4, 8]), windows=st.integers(1, 3), arena=st.booleans(),
+       tier_blocks=st.sampled_from([None, 8, 30]), bad_every=st.sampled_from([0, 3, 7]), seed=st.integers(0, 99))
+def test_random_traces_with_a_tier_read_only_correct_kv(workload, page, windows, arena, tier_blocks, bad_every,
+                                                        seed, monkeypatch_module) -> None:
+    """Random geometry, tier size and traces; some records refused on read (bad_every: every n-th write
+    is marked corrupt). The fake model checks every KV position each step reads, promoted or computed
+    (the brute-force reference), the cache, arena and tier invariants hold after every step, and every
+    page returns at the end (simulate checks both)."""
+    shape = TraceShape(groups=4, per_group=3, system_len=64 + 16 * (seed % 4), question_len=8, fanout_answer_len=4,
+                       conversations=3, turns=3, opening_len=48, turn_answer_len=8, user_len=8)
+    geo = Geometry(page_size=page, window=32, chunk=48, arena=arena, full_per_block=3, tier_blocks=tier_blocks)
+    writes = {"n": 0}
+    original = SimTierIO.write
+
+    def write(self, kind, pg, slot, key):
+        original(self, kind, pg, slot, key)
+        writes["n"] += 1
+        if bad_every and writes["n"] % bad_every == 0:
+            self.corrupt(kind, slot)
+
+    monkeypatch_module.setattr(SimTierIO, "write", write)
+    try:
+        row = simulate(workload, make_trace(workload, shape, seed), TIER, windows, geo, check=True)
+    finally:
+        monkeypatch_module.undo()
+    assert row.tier is not None and row.reused_tokens <= sum(len(t.prompt) for t in make_trace(workload, shape, seed))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
