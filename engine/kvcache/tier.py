@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -70,6 +71,7 @@ class SlotSpace:
         self.kind: list[str | None] = [None] * num_blocks
         self.used = [0] * num_blocks  # slots in use per block
         self.free_blocks = set(range(num_blocks))
+        self._free_heap = list(range(num_blocks))  # lowest free block first (stale entries skipped)
         self.partial: dict[int, None] = {}  # full blocks with a free slot
         self.full_used: set[int] = set()
 
@@ -81,16 +83,22 @@ class SlotSpace:
                     if s not in self.full_used:
                         self.claim(kind, s)
                         return s
-            if not self.free_blocks:
+            b = self._lowest_free()
+            if b is None:
                 return None
-            b = min(self.free_blocks)
             self.claim(kind, b * self.k)
             return b * self.k
-        if not self.free_blocks:
+        b = self._lowest_free()
+        if b is None:
             return None
-        b = min(self.free_blocks)
         self.claim(kind, b)
         return b
+
+    def _lowest_free(self) -> int | None:
+        heap = self._free_heap
+        while heap and heap[0] not in self.free_blocks:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def claim(self, kind: str, slot: int) -> bool:
         """Take a given slot (False: taken, or its block holds the other kind)."""
@@ -125,6 +133,7 @@ class SlotSpace:
             self.kind[b] = None
             self.partial.pop(b, None)
             self.free_blocks.add(b)
+            heapq.heappush(self._free_heap, b)
         elif kind == "full":
             self.partial[b] = None
 
