@@ -11,7 +11,9 @@ Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
 and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
 same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
-pages), so a row's `swa_pool_windows` names its memory, not a fixed split.
+pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policy `lazy+tier` is lazy
+with a second tier (engine/kvcache/tier.py) that holds every page of the trace: evicted pages are written
+to it and promoted back at admission (its records are the fake model's KV, so --check covers them).
 """
 
 from __future__ import annotations

@@ -71,13 +71,15 @@ def promote(kv: KVManager, ids: Sequence[int]) -> int:
     if k <= base:
         return 0
     lo = cache.window_start(k)
-    pin = cache.pin_prefix(ids, p) if p else None  # the tree's full pages [0, p) stay put
+    # pin the tree's part: full pages [0, min(k, p)) and the live SWA pages of its window, which covers
+    # every tree page of the window at k, so allocating cannot evict what the promotion reuses
+    pin = cache.pin_prefix(ids, min(k, p)) if min(k, p) else None
     got_full: list[int] = []
     got_swa: list[int] = []
     try:
-        _, swa_now, _ = cache.probe(ids, k)
-        need_swa = sum(1 for i in range(lo, k) if not (i < p and swa_now[i] is not None))
-        kinds = [(kv.swa_alloc, need_swa), (kv.full_alloc, k - p)]
+        full_now, swa_now, _ = cache.probe(ids, k)
+        loads = [i for i in range(lo, k) if not (i < p and swa_now[i] is not None)]
+        kinds = [(kv.swa_alloc, len(loads)), (kv.full_alloc, max(0, k - p))]
         if kv.arena is None:
             kinds.reverse()
         for alloc, n in kinds:
@@ -85,18 +87,13 @@ def promote(kv: KVManager, ids: Sequence[int]) -> int:
             if pages is None:
                 return 0
             (got_swa if alloc is kv.swa_alloc else got_full).extend(pages)
-        # allocation may have evicted (and written to the tier) SWA pages of the window: look again
         full_now, swa_now, _ = cache.probe(ids, k)
-        assert len(full_now) >= p, "a pinned prefix lost full pages"
-        loads = [i for i in range(lo, k) if not (i < p and swa_now[i] is not None)]
-        if len(loads) > len(got_swa):
-            more = kv._alloc(kv.swa_alloc, len(loads) - len(got_swa))
-            if more is None:
-                return 0
-            got_swa.extend(more)
+        assert len(full_now) >= min(k, p), "a pinned prefix lost full pages"
+        assert loads == [i for i in range(lo, k) if not (i < p and swa_now[i] is not None)], \
+            "a pinned window lost SWA pages"
         tier.prefetch("full", keys[p:k])
         tier.prefetch("swa", [keys[i] for i in loads])
-        new_full = full_now[:p] + got_full
+        new_full = full_now[:min(k, p)] + got_full
         new_swa: list[int | None] = [None] * k
         for i, page in zip(range(p, k), got_full):
             if not tier.load("full", keys[i], page):
