@@ -11,7 +11,9 @@ Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
 and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
 same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
-pages), so a row's `swa_pool_windows` names its memory, not a fixed split.
+pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policy `lazy+tier` is lazy
+with a second tier (engine/kvcache/tier.py) that holds every page of the trace: evicted pages are written
+to it and promoted back at admission (its records are the fake model's KV, so --check covers them).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, mak
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
 from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
+from swaserve.engine.kvcache.tier import DictTierIO, KVTier
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
-POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512")
+POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier")
+TIER = "lazy+tier"  # lazy with a second tier (engine/kvcache/tier.py) that holds every page of the trace
 KEEP_EVERYTHING = "keep-everything"
 WINDOWS = ("4", "8", "16", "roomy")
 ROOMY = "roomy"
@@ -46,6 +50,7 @@ class Geometry:
     concurrency: int = 1  # requests in flight (the issue measures one at a time)
     arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
     full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
+    tier_blocks: int | None = None  # lazy+tier: the tier's blocks (None: enough for the whole trace)
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Row:
     seconds: float = 0.0
     per_request: list[int] = field(default_factory=list, repr=False)
     memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
+    tier: dict[str, Any] | None = None  # lazy+tier: the tier's counters at the end
 
     @property
     def ratio(self) -> float:
@@ -73,7 +79,10 @@ class Row:
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
-                "preemptions": self.preemptions, "seconds": round(self.seconds, 2)}
+                "preemptions": self.preemptions, "seconds": round(self.seconds, 2),
+                **({"tier_promotions": self.tier["promotions"], "tier_promoted_tokens": self.tier["promoted_tokens"],
+                    "tier_pages_written": self.tier["pages_written_full"] + self.tier["pages_written_swa"]}
+                   if self.tier else {})}
 
 
 class AnswerModel:
@@ -114,6 +123,34 @@ class AnswerModel:
             assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
 
 
+class SimTierIO(DictTierIO):
+    """The tier's bytes in the simulation: a record is the (position, token) entries of the page's slots in
+    the fake model's pools (None without --check), so promoted KV is checked like computed KV."""
+
+    def __init__(self, model: AnswerModel, full_per_block: int):
+        super().__init__({}, {"full": 1, "swa": full_per_block})  # "bytes" in full pages
+        self.model = model
+
+    def _pool(self, kind: str) -> dict[int, tuple[int, int]]:
+        return self.model.full if kind == "full" else self.model.swa
+
+    def get_page(self, kind: str, page: int) -> Any:
+        if not self.model.check:
+            return None
+        P, pool = self.model.page_size, self._pool(kind)
+        return tuple(pool.get(page * P + j) for j in range(P))
+
+    def put_page(self, kind: str, page: int, content: Any) -> None:
+        if content is None:
+            return
+        P, pool = self.model.page_size, self._pool(kind)
+        for j, entry in enumerate(content):
+            if entry is None:
+                pool.pop(page * P + j, None)
+            else:
+                pool[page * P + j] = entry
+
+
 def running_pages(geo: Geometry) -> int:
     """SWA pages the running requests need (engine/builder.py's minimum): each its window and two pages,
     plus one prefill chunk."""
@@ -131,8 +168,10 @@ def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry)
     return geo.full_per_swa * swa, swa
 
 
-def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry) -> tuple[Scheduler, SWARadixCache]:
-    """The engine's scheduler and KV manager over a radix cache configured for `policy`."""
+def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
+          tier: KVTier | None = None) -> tuple[Scheduler, SWARadixCache]:
+    """The engine's scheduler and KV manager over a radix cache configured for `policy` (lazy+tier: with
+    `tier` as its second tier)."""
     fa: PagePool
     sa: PagePool
     if geo.arena:  # the same bytes as the split pools, shared: one block = one SWA page = k full pages
@@ -145,9 +184,12 @@ def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry) -> tuple[
         kw["anchors"] = False
     elif policy.startswith("eager-"):
         kw = {"policy": "eager", "swa_retain_tokens": int(policy.removeprefix("eager-"))}
-    elif policy not in ("lazy", KEEP_EVERYTHING):
+    elif policy not in ("lazy", KEEP_EVERYTHING, TIER):
         raise ValueError(f"unknown policy {policy!r}")
     cache = SWARadixCache(geo.page_size, geo.window, fa, sa, **kw)
+    if policy == TIER:
+        assert tier is not None, "lazy+tier needs a tier"
+        cache.set_tier(tier)
     kv = KVManager(cache, fa, sa, geo.page_size, geo.window)
     cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk)
     return Scheduler(cfg, kv, context_length=1 << 30), cache
@@ -158,8 +200,13 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     """Serve the trace in order (at most geo.concurrency requests in flight) and count reused tokens."""
     t0 = time.perf_counter()
     full_pages, swa_pages = pool_pages(trace, ROOMY if policy == KEEP_EVERYTHING else windows, geo)
-    sched, cache = build(policy, full_pages, swa_pages, geo)
     model = AnswerModel(geo.page_size, geo.window, check=check)
+    tier = None
+    if policy == TIER:  # blocks of one SWA page or full_per_block full pages, enough for the whole trace
+        roomy_full, roomy_swa = pool_pages(trace, ROOMY, geo)
+        blocks = geo.tier_blocks or roomy_swa + -(-roomy_full // geo.full_per_block)
+        tier = KVTier(SimTierIO(model, geo.full_per_block), blocks, geo.full_per_block, name="sim")
+    sched, cache = build(policy, full_pages, swa_pages, geo, tier)
     pass_anchors = policy != "lazy-no-anchors"
     pending = deque(enumerate(trace))
     done: list[Req] = []
@@ -186,11 +233,19 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     st = cache.stats()
     if policy == KEEP_EVERYTHING:
         assert st["evicted_swa_pages"] == st["evicted_full_pages"] == 0, "keep-everything evicted"
+    if tier is not None:  # nothing leaked: every page returns once the cache is flushed
+        sched.check_integrity()
+        assert not sched.running and cache.full_locked == 0, "pages still locked after the trace"
+        st = cache.stats()
+        cache.reset()
+        kv = sched.kv
+        assert kv.full_alloc.num_used == kv.swa_alloc.num_used == 0, "pages leaked"
+        tier.check()
     return Row(workload, policy, windows, sum(r.cached_tokens or 0 for r in done),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
                seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
-               memory="arena" if geo.arena else "split")
+               memory="arena" if geo.arena else "split", tier=tier.stats() if tier is not None else None)
 
 
 def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequence[int | str], geo: Geometry,

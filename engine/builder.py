@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
+from swaserve.engine.kvcache.tier import KVTier
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.peak_step import reserve_peak_step
@@ -152,6 +154,26 @@ def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
                          swa_retain_tokens=cache_cfg.swa_retain_budget, policy=cache_cfg.swa_retain_policy)
 
 
+def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVTier:
+    """The second KV tier (`--kv-offload-dir`, `--kv-offload-gb`): a memory-mapped file of arena-shaped
+    blocks whose records carry a fingerprint of the model file, its config, the KV layout and the numerics."""
+    c = cfg.cache
+    assert c.kv_offload_dir is not None
+    block_bytes = pool.page_size * pool.swa_record * pool.buffer.element_size()
+    blocks = int(c.kv_offload_gb * 2**30 // block_bytes)
+    if blocks < 1:
+        raise ValueError(f"--kv-offload-gb {c.kv_offload_gb} is less than one KV block "
+                         f"({block_bytes / 2**20:.2f} MiB)")
+    fp = fingerprint(["swaserve-kv-tier", 1, file_identity(bundle.path), bundle.config, str(pool.dtype),
+                      pool.page_size, pool.full_per_block, pool.full_record, pool.swa_record,
+                      cfg.cpu_matmul, bundle.device.type])
+    io = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
+    tier = KVTier(io, blocks, pool.full_per_block, name="disk")
+    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s", io.path, blocks,
+             blocks * block_bytes / 2**30, tier.reopened, " (file reinitialised)" if io.reinitialised else "")
+    return tier
+
+
 def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     """Size and allocate the KV arena (after the weights: from what memory is left), then build the
     cache, the scheduler and the runner around it."""
@@ -176,6 +198,10 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     log.info("KV memory: %s", plan.describe(P, model_cfg))
     arena = Arena(plan.num_blocks, plan.full_per_block, swa_cap=plan.swa_cap, block_bytes=plan.block_bytes)
     cache = build_cache(cache_cfg, model_cfg.sliding_window, arena.full, arena.swa)
+    if cache_cfg.kv_offload_dir is not None:
+        if not isinstance(cache, SWARadixCache):
+            raise ValueError("--kv-offload-dir needs --cache-type radix")
+        cache.set_tier(build_tier(cfg, bundle, pool))
     kv = KVManager(cache, arena.full, arena.swa, P, model_cfg.sliding_window)
     return EngineParts(
         model_config=model_cfg,

@@ -118,6 +118,15 @@ class CacheConfig:
     swa_retain_policy: Literal["lazy", "eager"] = option(
         "lazy", "--swa-retain-policy",
         help="lazy: evict SWA only under pressure; eager: trim at finish like the seed engine")
+    # the second KV tier: pages evicted from the arena go to a memory-mapped file in this directory and come
+    # back on a prefix hit instead of being recomputed (engine/kvcache/tier.py); None = no tier
+    kv_offload_dir: str | None = option(
+        None, "--kv-offload-dir",
+        help="directory for the second KV tier: evicted prefix pages are written to a memory-mapped file "
+             "there and promoted back on a hit instead of recomputed (default: no tier)")
+    kv_offload_gb: float = option(
+        8.0, "--kv-offload-gb", min=0, min_exclusive=True,
+        help="size of the second KV tier's file with --kv-offload-dir (default 8)")
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,7 @@ class Req:
     swa_drop_from: int = 0  # request-owned SWA pages before this page index are already dropped
     prompt_cached: bool = False  # the whole prompt was inserted into the cache once
     cached_tokens: int | None = None  # prompt tokens reused at first admission (exact)
+    offload_cached: int = 0  # of those, tokens promoted from the second KV tier (engine/kvcache/tier.py)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None

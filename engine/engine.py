@@ -70,6 +70,7 @@ class Engine:
         self.swa_alloc = parts.swa_alloc
         self.arena = parts.arena
         self.cache = parts.cache
+        self.tier = getattr(self.cache, "tier", None)  # the second KV tier (--kv-offload-dir)
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.grammar = GrammarBackend(self.tokenizer, self.eos_ids)  # compiles lazily, on first use
@@ -318,6 +319,9 @@ class Engine:
             "arena": self.arena.stats(),
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
+            "prefix_cache_hit_tokens_by_tier": {"memory": sched.prefix_hit_tokens - sched.prefix_offload_hit_tokens,
+                                                "offload": sched.prefix_offload_hit_tokens},
+            "kv_tier": self.tier.stats() if self.tier is not None else None,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -329,4 +333,6 @@ class Engine:
         if self.scheduler.running or self.scheduler.waiting or self._open:
             return False
         self.cache.reset()
+        if self.tier is not None:
+            self.tier.clear()
         return True

@@ -82,6 +82,37 @@ class _EngineCollector(Collector):
             for st in ("total", "free", "full", "swa"):
                 blocks.add_metric([model, st], float(arena.get(f"blocks_{st}", 0)))
             yield blocks
+        by_tier = stats.get("prefix_cache_hit_tokens_by_tier")
+        if by_tier:
+            hits = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits",
+                                       "Prompt tokens reused, by the tier their KV came from (memory: the KV "
+                                       "arena; offload: promoted from --kv-offload-dir).",
+                                       labels=["model_name", "tier"])
+            for t, v in by_tier.items():
+                hits.add_metric([model, t], float(v))
+            yield hits
+        tier = stats.get("kv_tier")
+        if tier:  # the second KV tier: promotions, pages and bytes moved, records
+            yield counter("kv_tier_promotions", "Admissions that promoted KV pages from the offload tier.",
+                          tier["promotions"])
+            moved = CounterMetricFamily(PREFIX + "kv_tier_pages", "KV pages moved to (written) and from (read) "
+                                        "the offload tier.", labels=["model_name", "op", "kind"])
+            nbytes = CounterMetricFamily(PREFIX + "kv_tier_bytes", "Bytes moved to and from the offload tier.",
+                                         labels=["model_name", "op"])
+            for op in ("written", "read"):
+                for kind in ("full", "swa"):
+                    moved.add_metric([model, op, kind], float(tier[f"pages_{op}_{kind}"]))
+                nbytes.add_metric([model, op], float(tier[f"bytes_{op}"]))
+            yield moved
+            yield nbytes
+            yield counter("kv_tier_rejected_records", "Offload-tier records that failed verification (torn, "
+                          "corrupt or stale) and were not served.", tier["rejected"])
+            yield counter("kv_tier_dropped_records", "Offload-tier records dropped to make room.", tier["dropped"])
+            usage = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes", "Offload-tier bytes held and its capacity.",
+                                      labels=["model_name", "state"])
+            usage.add_metric([model, "used"], float(tier["bytes"]))
+            usage.add_metric([model, "capacity"], float(tier["capacity_bytes"]))
+            yield usage
 
 
 class Metrics:

@@ -19,6 +19,7 @@ import heapq
 
 from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.node import Anchor, Node, page_key, path_ranges
+from swaserve.engine.kvcache.tier import KVTier
 
 MAX_LOST_KEYS = 8  # remembered evicted continuations per node end
 
@@ -44,6 +45,7 @@ class EvictionMixin:
     evicted_full_pages: int
     evicted_swa_pages: int
     trimmed_swa_pages: int
+    tier: KVTier | None
 
     def window_start(self, k: int) -> int:
         raise NotImplementedError
@@ -69,6 +71,7 @@ class EvictionMixin:
             swa, locks, prot = nd.swa_pages, nd.swa_locks, nd.protect_counts
             for i, s in enumerate(swa):
                 if s is not None and not locks[i] and not prot[i]:
+                    self._demote_swa(nd, i, s)
                     freed.append(s)
                     swa[i] = None
                     nd.live_swa -= 1
@@ -106,11 +109,27 @@ class EvictionMixin:
             for i in range(a, b):
                 s = swa[i]
                 if s is not None and not locks[i] and not prot[i]:
+                    self._demote_swa(x, i, s)
                     freed.append(s)
                     swa[i] = None
                     x.live_swa -= 1
                     if len(freed) >= need:
                         return
+
+    def _demote_swa(self, node: Node, i: int, page: int) -> None:
+        """Write an evicted SWA page to the second tier (before its id is freed)."""
+        if self.tier is not None:
+            self.tier.save("swa", node.keys[i], page)
+
+    def _demote(self, node: Node, a: int) -> None:
+        """Write the pages [a, ...) of node (being dropped) to the second tier."""
+        if self.tier is None:
+            return
+        for i in range(a, len(node.full_pages)):
+            self.tier.save("full", node.keys[i], node.full_pages[i])
+            s = node.swa_pages[i]
+            if s is not None:
+                self.tier.save("swa", node.keys[i], s)
 
     def _trim_head(self, path: list[Node], keep_from: int) -> None:
         """Eager policy: free the unlocked SWA pages of pages [0, keep_from) of this path."""
@@ -208,6 +227,8 @@ class EvictionMixin:
         assert not nd.full_locks and not nd.children and 0 < m < len(nd.full_pages)
         self._drop_anchors_after(nd, nd.start_page + m)
         _remember_lost(nd, page_key(nd.tokens, m, self.page_size))
+        self._demote(nd, m)
+        nd.keys = nd.keys[:m]
         dropped_full = nd.full_pages[m:]
         dropped_swa = [s for s in nd.swa_pages[m:] if s is not None]
         nd.tokens = nd.tokens[:m * self.page_size]
@@ -227,6 +248,7 @@ class EvictionMixin:
         _remember_lost(nd.parent, key)
         self._nodes.discard(nd)
         nd.evicted = True
+        self._demote(nd, 0)
         self._free_pages(nd.full_pages, [s for s in nd.swa_pages if s is not None])
 
     def _free_pages(self, full: list[int], swa: list[int]) -> None:

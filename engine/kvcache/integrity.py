@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from swaserve.engine.kvcache.node import Node, page_key, path_ranges
+from swaserve.engine.kvcache.tier import ROOT_KEY, chain_keys
 
 
 def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None:
@@ -13,6 +14,8 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
     fa, sa = cache.full_alloc, cache.swa_alloc
     fa.check()
     sa.check()
+    if cache.tier is not None:
+        cache.tier.check()
     root: Node = cache.root
     assert not root.full_pages and not root.tokens and root.parent is None
     seen_full: set[int] = set()
@@ -28,6 +31,9 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
             assert len(ch.swa_pages) == len(ch.swa_locks) == len(ch.protect_counts) == n, \
                 f"{ch}: per-page arrays differ"
             assert key == page_key(ch.tokens, 0, P), f"{ch}: keyed by the wrong page"
+            if cache.tier is not None:
+                prev = nd.keys[-1] if nd.keys else ROOT_KEY
+                assert ch.keys == chain_keys(ch.tokens, P, n, 0, prev), f"{ch}: wrong radix-path keys"
             assert ch.start_page == nd.end_page, \
                 f"{ch}: starts at {ch.start_page}, parent ends at {nd.end_page}"
             assert ch.last_access <= nd.last_access or nd is root, f"{ch}: newer than its parent"

@@ -38,7 +38,7 @@ class Node(CacheHandle):
 
     __slots__ = ("parent", "children", "tokens", "full_pages", "swa_pages", "swa_locks", "protect_counts",
                  "anchors", "start_page", "last_access", "full_locks", "handle_locks", "live_swa", "evicted",
-                 "lost_keys")
+                 "lost_keys", "keys")
 
     def __init__(self, parent: Node | None, start_page: int, tokens: list[int], full_pages: list[int],
                  swa_pages: list[int | None], last_access: int):
@@ -61,6 +61,8 @@ class Node(CacheHandle):
         # first-page keys of children evicted from this node's end (a few): a new child with another
         # key is a divergence even when the old continuation is gone
         self.lost_keys: set[tuple[int, ...]] = set()
+        # [n] the pages' radix-path keys (engine/kvcache/tier.py's hash chain) when the cache has a tier
+        self.keys: list[bytes] = []
 
     @property
     def end_page(self) -> int:

@@ -21,6 +21,7 @@ from swaserve.engine.kvcache.eviction import EvictionMixin
 from swaserve.engine.kvcache.integrity import check_cache
 from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_ranges
 from swaserve.engine.kvcache.retention import RetentionMixin
+from swaserve.engine.kvcache.tier import ROOT_KEY, KVTier, chain_keys
 
 
 class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
@@ -47,6 +48,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         self._clock = 0
         self.match_calls = self.query_tokens = self.hit_tokens = 0
         self.evicted_full_pages = self.evicted_swa_pages = self.trimmed_swa_pages = 0
+        # the second tier evicted pages are written to (set_tier); nodes then carry their pages' keys
+        self.tier: KVTier | None = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -61,6 +64,12 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
     @property
     def reuses_prefixes(self) -> bool:
         return True
+
+    def set_tier(self, tier: KVTier | None) -> None:
+        """Write every page evicted from now on to `tier` (only on an empty cache: nodes need their keys)."""
+        if self._nodes:
+            raise RuntimeError("set_tier on a cache that holds pages")
+        self.tier = tier
 
     def window_start(self, k: int) -> int:
         """First page of the window that reuse at page boundary k needs: the pages of
@@ -108,6 +117,47 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])
 
+    def probe(self, token_ids: Sequence[int], max_pages: int) -> tuple[list[int], list[int | None], list[bytes]]:
+        """The tree's pages along token_ids' path, at most max_pages: full ids, SWA ids (None where
+        evicted) and, with a tier, the pages' keys. Changes nothing (for planning a promotion)."""
+        P = self.page_size
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        full: list[int] = []
+        swa: list[int | None] = []
+        keys: list[bytes] = []
+        node, p = self.root, 0
+        while p < max_pages:
+            child = node.children.get(page_key(ids, p, P))
+            if child is None:
+                break
+            m = common_pages(ids, p * P, child.tokens, P, min(len(child.full_pages), max_pages - p))
+            full += child.full_pages[:m]
+            swa += child.swa_pages[:m]
+            keys += child.keys[:m]
+            p += m
+            if m < len(child.full_pages):
+                break
+            node = child
+        return full, swa, keys
+
+    def pin_prefix(self, token_ids: Sequence[int], pages: int) -> CacheHandle:
+        """Lock the handle at page `pages` of token_ids' path (which the tree holds): its full pages and
+        last window cannot be evicted until unlock()."""
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        path: list[Node] = []
+        node, p, P = self.root, 0, self.page_size
+        while p < pages:
+            node = node.children[page_key(ids, p, P)]
+            path.append(node)
+            p = node.end_page
+        handle = self._node_ending_at(path, pages)
+        self.lock(handle)
+        return handle
+
+    def reuse_end(self, swa: list[int | None], k: int) -> int:
+        """Largest k' <= k whose window pages [window_start(k'), k') are all live in `swa`."""
+        return self._deepest_reuse_end(list(swa), k)
+
     def _deepest_reuse_end(self, swa: list[int | None], k: int) -> int:
         """Largest k' <= k whose window pages [window_start(k'), k') are all live."""
         while k > 0:
@@ -145,6 +195,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         up.swa_locks = node.swa_locks[:m]
         up.protect_counts = node.protect_counts[:m]
         up.full_locks = node.full_locks
+        up.keys, node.keys = node.keys[:m], node.keys[m:]
         node.tokens = node.tokens[m * P:]
         node.full_pages = node.full_pages[m:]
         node.swa_pages = node.swa_pages[m:]
@@ -197,6 +248,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
                     branches.append(node)  # observed divergence at node.end_page
                 node.lost_keys.discard(key)
                 child = Node(node, p, ids[p * P:n * P], list(full_pages[p:n]), list(swa_pages[p:n]), now)
+                if self.tier is not None:
+                    child.keys = chain_keys(ids, P, n, p, node.keys[-1] if node.keys else ROOT_KEY)
                 node.children[key] = child
                 self._nodes.add(child)
                 self.full_cached += n - p

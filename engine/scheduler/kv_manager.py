@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from swaserve.engine.core import Req
 from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
+from swaserve.engine.kvcache.tier import KVTier
+from swaserve.engine.scheduler.promote import promote
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -34,11 +36,20 @@ class KVManager:
         assert self.arena is None or (isinstance(swa_alloc, ArenaPages) and swa_alloc.arena is self.arena)
         self.on_admit: Callable[[Req, Match], None] | None = None  # sees each match before anything evicts
 
+    @property
+    def tier(self) -> KVTier | None:
+        """The second tier the cache writes evicted pages to (None: no tier)."""
+        return getattr(self.cache, "tier", None)
+
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
-        """Match the request's tokens against the cache and lock the hit; returns the reused length."""
+        """Match the request's tokens against the cache and lock the hit; returns the reused length.
+        With a second tier, what the prompt can reuse from it is promoted into the cache first."""
         assert req.handle is None and not req.full_pages
+        gained = promote(self, req.token_ids) if self.tier is not None else 0
         m = self.cache.match(req.token_ids)
+        if req.cached_tokens is None:  # the part of the reported reuse the tier served
+            req.offload_cached = min(m.reused_len, req.prompt_len) - min(m.reused_len - gained, req.prompt_len)
         if self.on_admit is not None:
             self.on_admit(req, m)
         self.cache.lock(m.handle)

@@ -1,0 +1,89 @@
+"""The second KV tier in the engine (tiny model, exact CPU matmuls): greedy outputs with the tier equal those
+without it, promoted KV equals recomputed KV, cached_tokens counts the promoted tokens, no page leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from swaserve.engine.core import SamplingParams
+from swaserve.llm import LLM
+
+P = 16
+KW = dict(cpu_matmul="exact", chunked_prefill_size=96, max_running_requests=2, max_total_tokens=512,
+          swa_tokens=256)
+
+
+def fanout_prompts(llm: LLM, groups: int = 4, per_group: int = 2, system: int = 160) -> list[list[int]]:
+    rng = random.Random(1)
+    V = llm.tokenizer.vocab_size
+    systems = [[2] + [rng.randrange(3, V) for _ in range(system - 1)] for _ in range(groups)]
+    return [systems[g] + [rng.randrange(3, V) for _ in range(12)] for _ in range(per_group) for g in range(groups)]
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list:
+    outs = []
+    for p in prompts:  # one at a time, round-robin over the groups: the pressure that evicts prompts
+        outs += llm.generate([p], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        llm.engine.scheduler.check_integrity()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(**KW)
+
+
+def test_tier_outputs_equal_and_reuse_more(tmp_path, plain) -> None:
+    tiered = LLM(kv_offload_dir=str(tmp_path), kv_offload_gb=0.05, **KW)
+    prompts = fanout_prompts(plain)
+    a, b = run(plain, prompts), run(tiered, prompts)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    cached_plain = sum(o.cached_tokens for o in a)
+    cached_tier = sum(o.cached_tokens for o in b)
+    s = tiered.engine.stats()
+    assert s["kv_tier"]["promotions"] > 0 and s["kv_tier"]["rejected"] == 0
+    assert cached_tier > cached_plain
+    by_tier = s["prefix_cache_hit_tokens_by_tier"]
+    assert by_tier["memory"] + by_tier["offload"] == cached_tier == s["prefix_cache_hit_tokens"]
+    assert by_tier["offload"] > 0
+    for pool in ("full_pool", "swa_pool"):
+        assert s[pool]["used"] == 0
+    tiered.engine.cache.check_integrity(used_full=0, used_swa=0)
+    assert tiered.engine.flush_cache() and len(tiered.engine.tier) == 0
+
+
+def _prefix_kv(llm: LLM, ids: list[int], pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full KV of pages [0, pages) and SWA KV of the window before it, as the cache holds them."""
+    eng = llm.engine
+    full, swa, _ = eng.cache.probe(ids, pages)
+    assert len(full) == pages
+    lo = eng.cache.window_start(pages)
+    assert all(s is not None for s in swa[lo:pages])
+    return (eng.pool.page_tensor("full")[full].clone(),
+            eng.pool.page_tensor("swa")[[s for s in swa[lo:pages]]].clone())
+
+
+def test_promoted_kv_equals_recomputed_kv(tmp_path, plain) -> None:
+    tiered = LLM(kv_offload_dir=str(tmp_path), kv_offload_gb=0.05, **KW)
+    rng = random.Random(5)
+    V = plain.tokenizer.vocab_size
+    prompt = [2] + [rng.randrange(3, V) for _ in range(200)]
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    tiered.generate([prompt], greedy)
+    eng = tiered.engine
+    eng.cache.evict_full(10**6)  # everything leaves the arena: written to the tier
+    assert eng.cache.stats()["full_cached"] == 0 and len(eng.tier) > 0
+    follow = prompt + [rng.randrange(3, V) for _ in range(20)]
+    (o,) = tiered.generate([follow], greedy)
+    pages = len(prompt) // P  # whole pages of the shared prompt
+    assert o.cached_tokens == pages * P and eng.tier.stats()["promotions"] == 1
+    plain.engine.flush_cache()
+    (ref,) = plain.generate([follow], greedy)
+    assert ref.token_ids == o.token_ids
+    pf, ps = _prefix_kv(tiered, follow, pages)
+    rf, rs = _prefix_kv(plain, follow, pages)
+    assert torch.equal(pf, rf) or torch.allclose(pf, rf, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(ps, rs, atol=1e-5, rtol=1e-5)
