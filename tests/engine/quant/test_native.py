@@ -45,7 +45,7 @@ def _q8_dequant(x: torch.Tensor) -> torch.Tensor:
 def test_repack_is_lossless(n: int, k: int) -> None:
     qw = _q4(np.random.default_rng(n), n, k)
     packed = native.repack(qw.data, n, k)
-    assert packed.numel() == native.packed_bytes(n, k) == -(-n // 4) * 4 * (k // 32) * 18
+    assert packed.numel() == native.packed_bytes(n, k) == -(-n // 8) * 8 * (k // 32) * 18
     assert torch.equal(native.unpack(packed, n, k), qw.data)  # same bytes, back in GGUF order
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(native.rows(packed, n, k, ids), dequantize(qw)[ids])  # exact dequantized rows
