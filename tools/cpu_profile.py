@@ -70,7 +70,7 @@ def instrument(layers: int) -> None:
     gemma.embedding = timed(lambda *a, **k: "embed", gemma.embedding)
     gemma.Gemma4Model._route = timed(lambda *a, **k: "router", gemma.Gemma4Model._route)
     gemma.Gemma4Model.logits = timed(lambda *a, **k: "lm_head", gemma.Gemma4Model.logits)
-    runner.sample = timed(lambda *a, **k: "sampling", runner.sample)
+    runner.sample_isolated = timed(lambda *a, **k: "sampling", runner.sample_isolated)
 
 
 def table(title: str, total: float, parts: dict[str, float], scale: float) -> str:

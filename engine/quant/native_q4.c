@@ -30,6 +30,9 @@ padded with zero rows. Every function releases nothing itself: ctypes drops the 
 #define NIB 128      /* nibble bytes of one block of a group: 8 rows x 16 */
 #define SCB 16       /* scale bytes of one block of a group: 8 fp16 */
 #define GBYTES 144   /* NIB + SCB = 8 x 18: the same bytes as the 8 GGUF row-blocks */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 24  /* software prefetch distance in blocks (3 KB ahead: weights stream from DRAM) */
+#endif
 #define MAX_TILE 4   /* activation rows per tile: 4 fp32 + 4-8 int32 accumulators stay in registers */
 
 int swa_q4_abi(void) { return 4; }
@@ -109,6 +112,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* grp, int64
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* nib = grp + b * NIB;
+        /* weights stream from DRAM in decode: ask for them PF_BLOCKS blocks ahead (beyond the group's
+           end it is the next group's first blocks, which the next tile reads) */
+        _mm_prefetch((const char*)(nib + PF_BLOCKS * NIB), _MM_HINT_T0);
+        _mm_prefetch((const char*)(nib + PF_BLOCKS * NIB + 64), _MM_HINT_T0);
+        if ((b & 3) == 0) _mm_prefetch((const char*)(scales + (b + PF_BLOCKS) * SCB), _MM_HINT_T0);
         __m256i ia[MAX_TILE], ib[MAX_TILE];
         for (int i = 0; i < MT; ++i) ia[i] = ib[i] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
