@@ -29,8 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_q4.c")
-ABI = 4  # swa_q4_abi() of the source this wrapper was written for
+SOURCES = [Path(__file__).with_name("native_q4.c"), Path(__file__).with_name("native_ops.c")]
+ABI = 5  # swa_q4_abi() of the source this wrapper was written for
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 ROWS = 8  # weight rows per interleaved group
 _GROUP_BLOCK_BYTES = 144  # one 32-block of each of the 8 rows: 8 x 16 nibble bytes + 8 fp16 scales
@@ -41,6 +41,7 @@ _why_not = ""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_F = ctypes.c_float
 _SIGNATURES = {
     "swa_q4_abi": ([], ctypes.c_int),
     "swa_q4_vnni": ([], ctypes.c_int),
@@ -51,6 +52,10 @@ _SIGNATURES = {
     "swa_q8_quant": ([_P, _I, _I, _P, _P, ctypes.c_int], None),
     "swa_q4_mm": ([_P, _I, _I, _P, _I, _P, ctypes.c_int], None),
     "swa_q4_moe": ([_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_int], None),
+    "swa_rms_norm": ([_P, _I, _I, _P, _F, _P, _P], None),
+    "swa_norm_rope": ([_P, _I, _I, _I, _P, _F, _P, _P, _I, _I], None),
+    "swa_ffn_tail": ([_P, _P, _P, _P, _P, _F, _F, _P, _I, _I], None),
+    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int], None),
 }
 
 
@@ -72,8 +77,8 @@ def _cpu_ok() -> str:
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile native_q4.c into the cache (once per source + flags), return the library path."""
-    src = SOURCE.read_bytes()
+    """Compile the C sources into the cache (once per sources + flags), return the library path."""
+    src = b"".join(p.read_bytes() for p in SOURCES)
     flags = [*CFLAGS, *extra_flags]
     key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"swaserve_q4_{key}.so"
@@ -87,7 +92,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     # built aside and renamed: concurrent builders never load half a file
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-o", str(part), str(SOURCE), "-lm"], capture_output=True,
+        res = subprocess.run([cc, *flags, "-o", str(part), *map(str, SOURCES), "-lm"], capture_output=True,
                              text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'}")

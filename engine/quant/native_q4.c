@@ -35,7 +35,7 @@ padded with zero rows. Every function releases nothing itself: ctypes drops the 
 #endif
 #define MAX_TILE 4   /* activation rows per tile: 4 fp32 + 4-8 int32 accumulators stay in registers */
 
-int swa_q4_abi(void) { return 4; }
+int swa_q4_abi(void) { return 5; }
 
 /* 1 when the integer dots use VNNI (vpdpbusd), 0 for maddubs + madd: same integers either way */
 #if defined(__AVXVNNI__)
