@@ -98,7 +98,9 @@ def _glue_ok(lw: LayerWeights) -> bool:
     """Whether a layer's norm weights suit the native glue calls (CPU fp32 contiguous, sizes of 8s)."""
     norms = (lw.attn_norm, lw.post_attention_norm, lw.ffn_norm, lw.pre_ffw_norm_2, lw.post_ffw_norm_1,
              lw.post_ffw_norm_2, lw.post_ffw_norm, lw.q_norm, lw.k_norm, lw.router_scale)
-    return native_ops.fits(*norms) and lw.layer_scalar.numel() == 1
+    pes = lw.per_expert_scale
+    return (native_ops.fits(*norms, lw.router) and pes.dtype == torch.float32 and pes.is_contiguous()
+            and lw.layer_scalar.numel() == 1)
 
 
 class Gemma4Model:
@@ -264,10 +266,10 @@ class Gemma4Model:
     def _route(self, lw: LayerWeights, h: torch.Tensor, i: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk ids [T, K] int64, weights [T, K] fp32): softmax over all experts, top-k, renormalise,
         times per_expert_scale. With layer `i` on the native path the two scales are one weight."""
-        if i is not None and self._glue:
-            t = native_ops.rms_norm(h, self._router_w[i], self.cfg.rms_norm_eps)  # [T, H]
-        else:
-            t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_input_scale  # [T, H]
+        if i is not None and self._glue:  # norm, both scales, linear, softmax, top-k, renorm: one call
+            return native_ops.router(h, self._router_w[i], self.cfg.rms_norm_eps, lw.router,
+                                     self.cfg.top_k_experts, lw.per_expert_scale)
+        t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_input_scale  # [T, H]
         probs = torch.softmax(F.linear(t, lw.router), dim=-1, dtype=torch.float32)  # [T, E]
         w, ids = torch.topk(probs, self.cfg.top_k_experts, dim=-1)  # [T, K]
         w = w / w.sum(dim=-1, keepdim=True)

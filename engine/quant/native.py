@@ -55,6 +55,7 @@ _SIGNATURES = {
     "swa_rms_norm": ([_P, _I, _I, _P, _F, _P, _P], None),
     "swa_norm_rope": ([_P, _I, _I, _I, _P, _F, _P, _P, _I, _I], None),
     "swa_ffn_tail": ([_P, _P, _P, _P, _P, _F, _F, _P, _I, _I], None),
+    "swa_router": ([_P, _I, _I, _P, _F, _P, _I, _I, _P, _P, _P], None),
     "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int], None),
 }
 

@@ -171,3 +171,31 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
         free(p);
     }
 }
+
+/* The MoE router of T rows: t = rms_norm(x) * rw; p = softmax(W t) over E experts; the k largest p
+   (first index on ties), renormalised to sum 1, times pes[expert] -> ids [T, k] int64, wts [T, k]. */
+void swa_router(const float* x, int64_t T, int64_t H, const float* rw, float eps, const float* W, int64_t E,
+                int64_t k, const float* pes, int64_t* ids, float* wts) {
+    float* t = (float*)malloc((size_t)H * sizeof(float));
+    float* p = (float*)malloc((size_t)E * sizeof(float));
+    for (int64_t r = 0; r < T; ++r) {
+        scale_row(x + r * H, rms_inv(x + r * H, H, eps), rw, t, H);
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) { p[e] = dot8(W + e * H, t, H); mx = p[e] > mx ? p[e] : mx; }
+        for (int64_t e = 0; e < E; ++e) { p[e] = expf(p[e] - mx); sum += p[e]; }
+        int64_t* id = ids + r * k;
+        float* w = wts + r * k;
+        float top = 0.f;
+        for (int64_t j = 0; j < k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            id[j] = best;
+            w[j] = p[best] / sum;
+            top += w[j];
+            p[best] = -1.f;  /* taken */
+        }
+        for (int64_t j = 0; j < k; ++j) w[j] = w[j] / top * pes[id[j]];
+    }
+    free(t); free(p);
+}

@@ -70,6 +70,21 @@ def ffn_tail_(h: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, w1: torch.Ten
     return h
 
 
+def router(x: torch.Tensor, rw: torch.Tensor, eps: float, w: torch.Tensor, k: int,
+           per_expert_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's router for x [T, H]: softmax(W @ (rms_norm(x) * rw)) over the E experts of w [E, H],
+    top-k (first index on ties), renormalised, times per_expert_scale [E] -> (ids [T, k] int64,
+    weights [T, k] fp32)."""
+    t, h = x.shape
+    e = w.shape[0]
+    assert w.shape == (e, h) and rw.shape == (h,) and per_expert_scale.shape == (e,) and 0 < k <= e
+    ids = torch.empty(t, k, dtype=torch.int64)
+    wts = torch.empty(t, k, dtype=torch.float32)
+    native.load().swa_router(x.data_ptr(), t, h, rw.data_ptr(), eps, w.data_ptr(), e, k,
+                             per_expert_scale.data_ptr(), ids.data_ptr(), wts.data_ptr())
+    return ids, wts
+
+
 def decode_attn(q: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                 counts: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
     """Decode attention into out[rows] (q, out [T, H, D]): row b attends to the pool slots
