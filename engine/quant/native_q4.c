@@ -280,12 +280,40 @@ void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N
     free(xq); free(xd); free(xs); free(xqs); free(xds); free(xss); free(ys);
 }
 
-static inline float gelu_tanh(float g) {
-    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2 in two parts;
+   ~1 ulp) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* h[i] = gelu_tanh(h[i]) * h[I + i], i < I (I a multiple of 8); gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
+   g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3) */
+static void gelu_mul(float* h, int64_t I) {
+    const __m256 c1 = _mm256_set1_ps(-2.f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t i = 0; i < I; i += 8) {
+        __m256 g = _mm256_loadu_ps(h + i);
+        __m256 u = _mm256_mul_ps(c1, _mm256_fmadd_ps(_mm256_mul_ps(c3, g), _mm256_mul_ps(g, g), g));
+        __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(u)));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(h + I + i)));
+    }
 }
 
 /* Routed-MoE layer, all tokens grouped by expert in one call:
-   out [T, H] = sum_j w[t, j] * down_e(gelu_tanh(gate_e x_t) * up_e x_t), e = ids[t, j].
+   out [T, H] = sum_j w[t, j] * down_e(gelu_tanh(gate_e x_t) * up_e x_t), e = ids[t, j] (I a multiple of 32).
    gate_up: E interleaved [2I, H] weights back to back (gate rows [0, I), up rows [I, 2I));
    down: E interleaved [H, I] weights. Work items (expert, group chunk) share one OpenMP region. */
 void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, const uint8_t* down,
@@ -344,7 +372,7 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
         #pragma omp for schedule(static)
         for (int64_t s = 0; s < A; ++s) {
             float* h = hps[s];
-            for (int64_t i = 0; i < I; ++i) h[i] = gelu_tanh(h[i]) * h[I + i];  /* in place: [0, I) */
+            gelu_mul(h, I);  /* in place: [0, I) */
             quant_row_q8(h, I, hq + s * I, hd + s * nbI, hs + s * nbI);
         }
         #pragma omp for schedule(dynamic, 1)
