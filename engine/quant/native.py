@@ -221,6 +221,15 @@ def mm(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None
     return y
 
 
+def mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`mm` without the checks, for a caller that guarantees them (the model's native path, once per
+    linear): x fp32 [M, K] contiguous, `packed` the interleaved [n, K] weight, the kernels loaded."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib.swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads())  # type: ignore[union-attr]
+    return y
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, threads: int | None = None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Routed MoE of one layer in one call: x fp32 [T, H]; gate_up uint8 [E, packed(2I, H)], down uint8
