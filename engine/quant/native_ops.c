@@ -123,12 +123,49 @@ static inline float dot_kv(const float* q, const void* k, int64_t n, int kt) {
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
+/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2; ~1 ulp) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* p[0 .. n) = softmax(p[0 .. n)) in place */
+static void softmax_row(float* p, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t s = 0; s < n; ++s) mx = p[s] > mx ? p[s] : mx;
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), m));
+        _mm256_storeu_ps(p + s, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    for (; s < n; ++s) { p[s] = expf(p[s] - mx); sum += p[s]; }
+    const float inv = 1.f / (sum + hsum8(acc));
+    for (s = 0; s < n; ++s) p[s] *= inv;
+}
+
+#define PF_KEYS 8  /* K and V rows prefetched this many keys ahead */
+
 /* Decode attention (one query token per sequence, scale 1): for decode row b (token row rows[b] of q
    and out, both [*, H, D] fp32) and query head j (KV head j / (H / KVH)): softmax over the keys at slots
    slots[b, 0 .. counts[b]) of q . K[slot], times V[slot]. K and V are the pool's strided views, of
    element type kt (0 fp32, 1 fp16, 2 bf16; read as fp32): element (slot, kv head, d) at
-   slot * rs + kv_head * D + d. Work items (b, kv head) run in parallel; each K / V row is read once
-   for the KV head's H / KVH query heads. */
+   slot * rs + kv_head * D + d. Work items (b, kv head) run in parallel. Scores take 4 keys at a time
+   (4 independent accumulator chains); the weighted sum keeps 64 output floats in registers over all
+   keys. */
 void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, int64_t KVH, int64_t D,
                      const void* K, const void* V, int64_t rs, int kt, const int64_t* slots, int64_t S,
                      const int64_t* counts, float* out, int nthreads) {
@@ -143,28 +180,49 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
             const int64_t* sl = slots + b * S;
             const float* qb = q + (rows[b] * H + kh * G) * D;
             float* ob = out + (rows[b] * H + kh * G) * D;
-            for (int64_t s = 0; s < n; ++s) {
-                const void* kr = Kb + (sl[s] * rs + kh * D) * es;
-                if (s + 2 < n) _mm_prefetch((const char*)(Kb + (sl[s + 2] * rs + kh * D) * es), _MM_HINT_T0);
-                for (int64_t g = 0; g < G; ++g) p[g * n + s] = dot_kv(qb + g * D, kr, D, kt);
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                float* pg = p + g * n;
-                float mx = -INFINITY, sum = 0.f;
-                for (int64_t s = 0; s < n; ++s) mx = pg[s] > mx ? pg[s] : mx;
-                for (int64_t s = 0; s < n; ++s) { pg[s] = expf(pg[s] - mx); sum += pg[s]; }
-                const float inv = 1.f / sum;
-                for (int64_t s = 0; s < n; ++s) pg[s] *= inv;
-                memset(ob + g * D, 0, D * sizeof(float));
-            }
-            for (int64_t s = 0; s < n; ++s) {
-                const void* vr = Vb + (sl[s] * rs + kh * D) * es;
-                if (s + 2 < n) _mm_prefetch((const char*)(Vb + (sl[s + 2] * rs + kh * D) * es), _MM_HINT_T0);
+            for (int64_t s = 0; s < n; s += 4) {
+                const uint8_t* kr[4];
+                for (int j = 0; j < 4; ++j) kr[j] = Kb + (sl[s + j < n ? s + j : s] * rs + kh * D) * es;
+                for (int64_t j = s + PF_KEYS; j < s + PF_KEYS + 4 && j < n; ++j)  /* rows are scattered */
+                    for (int64_t off = 0; off < D * es; off += 64) {
+                        _mm_prefetch((const char*)(Kb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
+                        _mm_prefetch((const char*)(Vb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
+                    }
                 for (int64_t g = 0; g < G; ++g) {
-                    __m256 pv = _mm256_set1_ps(p[g * n + s]);
-                    float* o = ob + g * D;
-                    for (int64_t d = 0; d < D; d += 8)
-                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, load_kv(vr, d, kt), _mm256_loadu_ps(o + d)));
+                    const float* qg = qb + g * D;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int64_t d = 0; d < D; d += 8) {
+                        __m256 qv = _mm256_loadu_ps(qg + d);
+                        a0 = _mm256_fmadd_ps(qv, load_kv(kr[0], d, kt), a0);
+                        a1 = _mm256_fmadd_ps(qv, load_kv(kr[1], d, kt), a1);
+                        a2 = _mm256_fmadd_ps(qv, load_kv(kr[2], d, kt), a2);
+                        a3 = _mm256_fmadd_ps(qv, load_kv(kr[3], d, kt), a3);
+                    }
+                    float sc[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+                    for (int j = 0; j < 4 && s + j < n; ++j) p[g * n + s + j] = sc[j];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) softmax_row(p + g * n, n);
+            for (int64_t g = 0; g < G; ++g) {
+                const float* pg = p + g * n;
+                float* o = ob + g * D;
+                int64_t d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) {
+                    __m256 acc[8];
+                    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+                    for (int64_t s = 0; s < n; ++s) {
+                        const void* vr = Vb + (sl[s] * rs + kh * D + d0) * es;
+                        __m256 pv = _mm256_set1_ps(pg[s]);
+                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pv, load_kv(vr, 8 * r, kt), acc[r]);
+                    }
+                    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+                }
+                for (; d0 < D; d0 += 8) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t s = 0; s < n; ++s)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]),
+                                              load_kv(Vb + (sl[s] * rs + kh * D + d0) * es, 0, kt), acc);
+                    _mm256_storeu_ps(o + d0, acc);
                 }
             }
         }
