@@ -1,7 +1,7 @@
 """The native Q4_0 x Q8_0 matmul against the same kernel at another git revision, side by side in one run.
 
   OMP_NUM_THREADS=1 .venv/bin/python tools/native_bench.py [--baseline-rev main] [--shapes 2816x2816,...]
-      [--ms 1,4,8,32,128] [--cold]
+      [--ms 1,4,8,32,128] [--cold] [--no-vnni]
 The baseline's engine/quant/native_q4.c (`git show REV:...`) is compiled with the same flags into a
 temporary directory and called through the entry points every revision has (swa_q4_packed_bytes,
 swa_q4_repack, swa_q4_mm); each weight is repacked by its own library. Times are the CPU time of this
@@ -61,15 +61,18 @@ def main() -> None:
     p.add_argument("--shapes", default="2816x2816,1408x2816,2816x704", help="NxK weights (N outputs)")
     p.add_argument("--ms", default="1,4,8,32,128", help="activation rows")
     p.add_argument("--cold", action="store_true", help="weights stream from DRAM (many copies)")
+    p.add_argument("--no-vnni", action="store_true", help="the new kernel built without VNNI (maddubs path)")
     args = p.parse_args()
     torch.set_num_threads(1)
     cur = native.load()
     if cur is None:
         raise SystemExit(f"native kernels unavailable: {native.why_unavailable()}")
+    if args.no_vnni:
+        cur = native.build_variant(("-mno-avxvnni", "-mno-avx512vnni"))
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         base = _baseline(args.baseline_rev, Path(tmp))
-        print(f"baseline {args.baseline_rev} vs working tree (VNNI: {native.vnni()}), 1 thread, "
+        print(f"baseline {args.baseline_rev} vs working tree (VNNI: {bool(cur.swa_q4_vnni())}), 1 thread, "
               f"{'cold' if args.cold else 'warm'} weights")
         print("| N x K | M | baseline ms | new ms | baseline GOP/s | new GOP/s | speedup |")
         print("|---|---|---|---|---|---|---|")
