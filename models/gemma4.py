@@ -22,8 +22,8 @@ from swaserve.engine.fused import decoder as fused_decoder
 from swaserve.engine.fused.ops import use_device_kernels
 from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
-from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant import native, native_ops
+from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear, prepare_native
 from swaserve.models.weights import Gemma4Weights, LayerWeights
 
@@ -206,8 +206,9 @@ class Gemma4Model:
         h = h + self._norm(m1 + self._norm(m2, lw.post_ffw_norm_2, f32), lw.post_ffw_norm, f32)
         return h * lw.layer_scalar
 
-    def _layer_native(self, i: int, lw: LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+    def _layer_native(self, i: int, lw: LayerWeights, h: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      pool: KVPool) -> torch.Tensor:
         """`_layer` with native glue calls; h [T, H] fp32 is updated in place (the caller's fresh tensor)."""
         eps, ops = self.cfg.rms_norm_eps, native_ops
         a = self._attention(i, lw, ops.rms_norm(h, lw.attn_norm, eps), rope, meta, pool)  # [T, H]
@@ -267,7 +268,8 @@ class Gemma4Model:
         gate = F.gelu(self._linear(x, lw.gate_proj), approximate="tanh")  # [T, I]
         return self._linear(gate * self._linear(x, lw.up_proj), lw.down_proj)
 
-    def _route(self, lw: LayerWeights, h: torch.Tensor, i: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, lw: LayerWeights, h: torch.Tensor,
+               i: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk ids [T, K] int64, weights [T, K] fp32): softmax over all experts, top-k, renormalise,
         times per_expert_scale. With layer `i` on the native path the two scales are one weight."""
         if i is not None and self._glue:  # norm, both scales, linear, softmax, top-k, renorm: one call

@@ -31,19 +31,21 @@ def _baseline(rev: str, tmp: Path) -> ctypes.CDLL:
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/quant/native_q4.c"], check=True,
                          capture_output=True).stdout
     (tmp / "base.c").write_bytes(src)
-    subprocess.run(["gcc", *native.CFLAGS, "-o", str(tmp / "base.so"), str(tmp / "base.c"), "-lm"], check=True)
+    out = str(tmp / "base.so")
+    subprocess.run(["gcc", *native.CFLAGS, "-o", out, str(tmp / "base.c"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "base.so"))
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.swa_q4_packed_bytes.argtypes, lib.swa_q4_packed_bytes.restype = [I, I], I
-    lib.swa_q4_repack.argtypes, lib.swa_q4_repack.restype = [P, I, I, P, ctypes.c_int], None
-    lib.swa_q4_mm.argtypes, lib.swa_q4_mm.restype = [P, I, I, P, I, P, ctypes.c_int], None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.swa_q4_packed_bytes.argtypes, lib.swa_q4_packed_bytes.restype = [i64, i64], i64
+    lib.swa_q4_repack.argtypes, lib.swa_q4_repack.restype = [ptr, i64, i64, ptr, i32], None
+    lib.swa_q4_mm.argtypes, lib.swa_q4_mm.restype = [ptr, i64, i64, ptr, i64, ptr, i32], None
     return lib
 
 
 def _time(lib: ctypes.CDLL, raw: torch.Tensor, n: int, k: int, m: int, cold: bool) -> float:
     packed = torch.empty(lib.swa_q4_packed_bytes(n, k), dtype=torch.uint8)
     lib.swa_q4_repack(raw.data_ptr(), n, k, packed.data_ptr(), 1)
-    copies = [packed] + ([packed.clone() for _ in range(max(1, (256 << 20) // packed.numel()))] if cold else [])
+    n_copies = max(1, (256 << 20) // packed.numel()) if cold else 0
+    copies = [packed] + [packed.clone() for _ in range(n_copies)]
     x = torch.randn(m, k)
     y = torch.empty(m, n)
     reps = max(len(copies), min(200, int(3e8 // (n * k * m)) + 3))
@@ -83,8 +85,8 @@ def main() -> None:
             for m in map(int, args.ms.split(",")):
                 tb, tn = _time(base, raw, n, k, m, args.cold), _time(cur, raw, n, k, m, args.cold)
                 ops = 2 * n * k * m / 1e9
-                print(f"| {n} x {k} | {m} | {tb * 1e3:.3f} | {tn * 1e3:.3f} | {ops / tb:.0f} | {ops / tn:.0f} | "
-                      f"{tb / tn:.2f}x |", flush=True)
+                print(f"| {n} x {k} | {m} | {tb * 1e3:.3f} | {tn * 1e3:.3f} | {ops / tb:.0f} | "
+                      f"{ops / tn:.0f} | {tb / tn:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if not native_ops.available():
             raise ValueError("--attention-backend native needs the native CPU kernels (see the log line)")
 
-    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan,
+                out: torch.Tensor) -> None:
         D = q.shape[-1]
         if not (native_ops.fits(q, out) and K.dtype == V.dtype and native_ops.kv_dtype_ok(K.dtype)
                 and K.device.type == "cpu"
                 and K.stride()[1:] == (D, 1) and V.stride() == K.stride()):
             return super()._decode(q, K, V, plan, out)
-        assert plan.decode_rows is not None and plan.decode_slots is not None and plan.decode_counts is not None
-        native_ops.decode_attn(q, plan.decode_rows, K, V, plan.decode_slots, plan.decode_counts, out)
+        rows, slots, counts = plan.decode_rows, plan.decode_slots, plan.decode_counts
+        assert rows is not None and slots is not None and counts is not None
+        native_ops.decode_attn(q, rows, K, V, slots, counts, out)

@@ -131,7 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch[key] = buf
         return buf[:numel].view(shape)
 
-    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan,
+                out: torch.Tensor) -> None:
         """The q_len-1 rows: padded into one batched SDPA call over their gathered keys."""
         T, H, D = q.shape
         KVH = K.shape[1]

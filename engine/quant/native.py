@@ -56,7 +56,8 @@ _SIGNATURES = {
     "swa_norm_rope": ([_P, _I, _I, _I, _P, _F, _P, _P, _I, _I], None),
     "swa_ffn_tail": ([_P, _P, _P, _P, _P, _F, _F, _P, _I, _I], None),
     "swa_router": ([_P, _I, _I, _P, _F, _P, _I, _I, _P, _P, _P], None),
-    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int], None),
+    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int],
+                        None),
 }
 
 
@@ -217,7 +218,8 @@ def mm(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None
     assert packed.numel() == packed_bytes(n, k), (packed.numel(), n, k)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        (lib or _lib_or_raise()).swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), _threads(threads))
+        (lib or _lib_or_raise()).swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(),
+                                           _threads(threads))
     return y
 
 
@@ -226,12 +228,14 @@ def mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     linear): x fp32 [M, K] contiguous, `packed` the interleaved [n, K] weight, the kernels loaded."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    _lib.swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads())  # type: ignore[union-attr]
+    (_lib or _lib_or_raise()).swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(),
+                                        torch.get_num_threads())
     return y
 
 
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor, threads: int | None = None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        topk_weights: torch.Tensor, threads: int | None = None, *,
+        lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Routed MoE of one layer in one call: x fp32 [T, H]; gate_up uint8 [E, packed(2I, H)], down uint8
     [E, packed(H, I)] (interleaved, I = `inter`); topk_ids int64 [T, k], topk_weights fp32 [T, k]
     -> fp32 [T, H] = sum_j w_j * down_e(gelu_tanh(gate_e x) * up_e x). `lib`: another build (tests)."""

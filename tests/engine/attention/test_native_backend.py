@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swaserve.engine.attention.torch_backend import TorchAttentionBackend
 from swaserve.engine.quant import native
 from tests.engine.attention.test_torch_backend import _run_case
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-def _backend():  # type: ignore[no-untyped-def]
+def _backend() -> TorchAttentionBackend:
     from swaserve.engine.attention.native_backend import NativeAttentionBackend
 
     return NativeAttentionBackend()
@@ -35,9 +36,7 @@ def test_half_precision_pools(kv_dtype: torch.dtype, layout: str) -> None:
 
 def test_decode_only_batches_take_the_native_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode rows must not go through the torch gather + SDPA (which would also pass the oracle)."""
-    from swaserve.engine.attention.torch_backend import TorchAttentionBackend
-
-    def fail(*a, **k):  # type: ignore[no-untyped-def]
+    def fail(*a: object, **k: object) -> None:
         raise AssertionError("torch decode path taken")
 
     monkeypatch.setattr(TorchAttentionBackend, "_decode", fail)

@@ -66,7 +66,8 @@ def test_router_matches_the_torch_route() -> None:
     g = torch.Generator().manual_seed(2)
     t, h, e, k = 9, 256, 32, 4
     x = torch.randn(t, h, generator=g) * 4
-    scale, w, pes = torch.rand(h, generator=g) + 0.5, torch.randn(e, h, generator=g), torch.rand(e, generator=g)
+    scale, w = torch.rand(h, generator=g) + 0.5, torch.randn(e, h, generator=g)
+    pes = torch.rand(e, generator=g)
     probs = torch.softmax(rms_norm(x, None, EPS) * scale * h**-0.5 @ w.T, dim=-1)
     ref_w, ref_ids = torch.topk(probs, k, dim=-1)
     ref_w = ref_w / ref_w.sum(-1, keepdim=True) * pes[ref_ids]
