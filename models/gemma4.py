@@ -252,7 +252,7 @@ class Gemma4Model:
         k_raw = self._linear(x, lw.k_proj).view(T, kvh, D)  # [T, KVH, D]
         # K = V on full layers (no v_proj)
         v_raw = k_raw if lw.v_proj is None else self._linear(x, lw.v_proj).view(T, kvh, D)
-        if self._glue and native_ops.fits(q, k_raw, v_raw, cos, sin):
+        if self._glue and native_ops.fits(q, k_raw, v_raw) and cos.is_contiguous() and sin.is_contiguous():
             eps = cfg.rms_norm_eps
             v = native_ops.rms_norm(v_raw, None, eps)  # before k_raw (which may be v_raw) is normed in place
             q = native_ops.norm_rope_(q, lw.q_norm, eps, cos, sin, half)

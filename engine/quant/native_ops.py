@@ -19,8 +19,11 @@ def available() -> bool:
 
 def fits(*tensors: torch.Tensor | None) -> bool:
     """Whether every tensor given is CPU fp32 contiguous with a last dimension a multiple of 8."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                             and t.shape[-1] % 8 == 0) for t in tensors)
+    for t in tensors:  # a plain loop: called a few times per layer on the decode path
+        if t is not None and (t.is_cuda or t.dtype != torch.float32 or t.shape[-1] % 8
+                              or not t.is_contiguous()):
+            return False
+    return True
 
 
 _KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's KV element types
