@@ -66,6 +66,15 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def _cpu_flags() -> str:
+    """The first `flags` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _cpu_ok() -> str:
     """'' when the CPU has the instructions the kernels use, else the reason."""
     if sys.platform != "linux":
@@ -79,10 +88,12 @@ def _cpu_ok() -> str:
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the C sources into the cache (once per sources + flags), return the library path."""
+    """Compile the C sources into the cache (once per sources + flags + CPU), return the library path.
+    The CPU's flags are part of the key: -march=native code (VNNI, AVX512) must not be loaded from a
+    cache shared with a machine that lacks them."""
     src = b"".join(p.read_bytes() for p in SOURCES)
     flags = [*CFLAGS, *extra_flags]
-    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"swaserve_q4_{key}.so"
     if out.exists():
         return out
