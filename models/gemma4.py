@@ -22,6 +22,7 @@ from swaserve.engine.fused import decoder as fused_decoder
 from swaserve.engine.fused.ops import use_device_kernels
 from swaserve.engine.fused.weights import float_weight_to, logits_fp32
 from swaserve.engine.moe.base import MoEBackend
+from swaserve.engine.quant import native, native_ops
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear, prepare_native
 from swaserve.models.weights import Gemma4Weights, LayerWeights
@@ -93,6 +94,15 @@ def _layer_to(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> Lay
     return LayerWeights(**moved)
 
 
+def _glue_ok(lw: LayerWeights) -> bool:
+    """Whether a layer's norm weights suit the native glue calls (CPU fp32 contiguous, sizes of 8s)."""
+    norms = (lw.attn_norm, lw.post_attention_norm, lw.ffn_norm, lw.pre_ffw_norm_2, lw.post_ffw_norm_1,
+             lw.post_ffw_norm_2, lw.post_ffw_norm, lw.q_norm, lw.k_norm, lw.router_scale)
+    pes = lw.per_expert_scale
+    return (native_ops.fits(*norms, lw.router) and pes.dtype == torch.float32 and pes.is_contiguous()
+            and lw.layer_scalar.numel() == 1)
+
+
 class Gemma4Model:
     """Gemma 4 text model; `forward` runs a varlen batch through the paged KV pools."""
 
@@ -124,6 +134,13 @@ class Gemma4Model:
         if self.device.type == "cpu" and cpu_matmul == "native":  # repack once at load, not on first use
             prepare_native([self.embed, *(w for lw in self.layers for w in vars(lw).values()
                                           if isinstance(w, QWeight))])
+        # the native CPU path runs the layer's norms, rope, residual adds and tail as native calls
+        # (engine/quant/native_ops.py: ~1 call where torch takes 5-20 ops); the exact path keeps torch
+        self._glue = (self.device.type == "cpu" and cpu_matmul == "native" and dtype == torch.float32
+                      and native_ops.available() and all(_glue_ok(lw) for lw in self.layers))
+        self._scalars = [float(lw.layer_scalar) for lw in self.layers] if self._glue else []
+        self._router_w = [(lw.router_scale * self.router_input_scale).float().contiguous()
+                          for lw in self.layers] if self._glue else []
         self.ropes = {
             "sliding": _Rope(cfg.rope_theta_swa, cfg.rope_dims_swa, cfg.rope_dims_swa // 2,
                              cfg.rope_dims_swa // 2, self.device),
@@ -159,6 +176,10 @@ class Gemma4Model:
     # ---- internals ----
 
     def _linear(self, x: torch.Tensor, w: QWeight) -> torch.Tensor:
+        packed = w.cache.interleaved  # built at load on the native path (prepare_native)
+        if (self._glue and packed is not None and x.dim() == 2 and x.dtype == torch.float32
+                and x.is_contiguous() and x.shape[1] == w.shape[1]):
+            return native.mm_packed(x, packed, w.shape[0])  # linear()'s dispatch, ~10 us a call, skipped
         return linear(x, w, self.cpu_matmul)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor | None, dtype: torch.dtype | None = None
@@ -174,12 +195,40 @@ class Gemma4Model:
         meta: AttentionMetadata,
         pool: KVPool,
     ) -> torch.Tensor:
+        if self._glue:
+            return self._layer_native(i, lw, h, rope, meta, pool)
         dt, f32 = self.dtype, torch.float32  # branch inputs in the compute dtype, residual in fp32
         a = self._attention(i, lw, self._norm(h, lw.attn_norm, dt), rope, meta, pool)  # [T, H]
         h = h + self._norm(a, lw.post_attention_norm, f32)
         m1 = self._norm(self._mlp(lw, self._norm(h, lw.ffn_norm, dt)), lw.post_ffw_norm_1, f32)  # [T, H]
         topk_ids, topk_w = self._route(lw, h)  # the router reads h itself
         m2 = self.moe.forward(i, self._norm(h, lw.pre_ffw_norm_2, dt), topk_ids, topk_w)  # [T, H]
+        h = h + self._norm(m1 + self._norm(m2, lw.post_ffw_norm_2, f32), lw.post_ffw_norm, f32)
+        return h * lw.layer_scalar
+
+    def _layer_native(self, i: int, lw: LayerWeights, h: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      pool: KVPool) -> torch.Tensor:
+        """`_layer` with native glue calls; h [T, H] fp32 is updated in place (the caller's fresh tensor)."""
+        eps, ops = self.cfg.rms_norm_eps, native_ops
+        a = self._attention(i, lw, ops.rms_norm(h, lw.attn_norm, eps), rope, meta, pool)  # [T, H]
+        if not ops.fits(h, a):
+            return self._layer_torch_tail(i, lw, h, a)
+        ops.rms_norm_add_(h, a, lw.post_attention_norm, eps)
+        m1 = self._mlp(lw, ops.rms_norm(h, lw.ffn_norm, eps))  # [T, H]
+        topk_ids, topk_w = self._route(lw, h, i)
+        m2 = self.moe.forward(i, ops.rms_norm(h, lw.pre_ffw_norm_2, eps), topk_ids, topk_w)  # [T, H]
+        if not ops.fits(m1, m2):
+            m1, m2 = m1.float().contiguous(), m2.float().contiguous()
+        return ops.ffn_tail_(h, m1, m2, lw.post_ffw_norm_1, lw.post_ffw_norm_2, lw.post_ffw_norm, eps,
+                             self._scalars[i])
+
+    def _layer_torch_tail(self, i: int, lw: LayerWeights, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        f32 = torch.float32
+        h = h + self._norm(a, lw.post_attention_norm, f32)
+        m1 = self._norm(self._mlp(lw, self._norm(h, lw.ffn_norm, self.dtype)), lw.post_ffw_norm_1, f32)
+        topk_ids, topk_w = self._route(lw, h)
+        m2 = self.moe.forward(i, self._norm(h, lw.pre_ffw_norm_2, self.dtype), topk_ids, topk_w)
         h = h + self._norm(m1 + self._norm(m2, lw.post_ffw_norm_2, f32), lw.post_ffw_norm, f32)
         return h * lw.layer_scalar
 
@@ -200,12 +249,18 @@ class Gemma4Model:
         half = self.ropes["sliding" if sliding else "full"].half
         cos, sin = rope
         q = self._linear(x, lw.q_proj).view(T, cfg.num_heads, D)  # [T, NH, D]
-        q = apply_rope(self._norm(q, lw.q_norm), cos, sin, half)
         k_raw = self._linear(x, lw.k_proj).view(T, kvh, D)  # [T, KVH, D]
         # K = V on full layers (no v_proj)
         v_raw = k_raw if lw.v_proj is None else self._linear(x, lw.v_proj).view(T, kvh, D)
-        k = apply_rope(self._norm(k_raw, lw.k_norm), cos, sin, half)
-        v = self._norm(v_raw, None)
+        if self._glue and native_ops.fits(q, k_raw, v_raw) and cos.is_contiguous() and sin.is_contiguous():
+            eps = cfg.rms_norm_eps
+            v = native_ops.rms_norm(v_raw, None, eps)  # before k_raw (which may be v_raw) is normed in place
+            q = native_ops.norm_rope_(q, lw.q_norm, eps, cos, sin, half)
+            k = native_ops.norm_rope_(k_raw, lw.k_norm, eps, cos, sin, half)
+        else:
+            q = apply_rope(self._norm(q, lw.q_norm), cos, sin, half)
+            k = apply_rope(self._norm(k_raw, lw.k_norm), cos, sin, half)
+            v = self._norm(v_raw, None)
         o = self.attn.forward(i, q, k, v, meta, pool)  # [T, NH, D]
         return self._linear(o.reshape(T, cfg.num_heads * D), lw.o_proj)
 
@@ -213,9 +268,13 @@ class Gemma4Model:
         gate = F.gelu(self._linear(x, lw.gate_proj), approximate="tanh")  # [T, I]
         return self._linear(gate * self._linear(x, lw.up_proj), lw.down_proj)
 
-    def _route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, lw: LayerWeights, h: torch.Tensor,
+               i: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk ids [T, K] int64, weights [T, K] fp32): softmax over all experts, top-k, renormalise,
-        times per_expert_scale."""
+        times per_expert_scale. With layer `i` on the native path the two scales are one weight."""
+        if i is not None and self._glue:  # norm, both scales, linear, softmax, top-k, renorm: one call
+            return native_ops.router(h, self._router_w[i], self.cfg.rms_norm_eps, lw.router,
+                                     self.cfg.top_k_experts, lw.per_expert_scale)
         t = self._norm(h, None, torch.float32) * lw.router_scale * self.router_input_scale  # [T, H]
         probs = torch.softmax(F.linear(t, lw.router), dim=-1, dtype=torch.float32)  # [T, E]
         w, ids = torch.topk(probs, self.cfg.top_k_experts, dim=-1)  # [T, K]

@@ -34,7 +34,12 @@ def _build_gemma4(loaded: LoadedModel, cfg: EngineConfig, device: torch.device) 
     from swaserve.models.gemma4 import Gemma4Model
 
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    attn = get_attention_backend(cfg.attention_backend, device)
+    attn_name = cfg.attention_backend
+    if attn_name == "auto" and device.type == "cpu" and cfg.cpu_matmul == "native":
+        from swaserve.engine.quant import native
+
+        attn_name = "native" if native.available() else "torch"  # decode attention from the pool
+    attn = get_attention_backend(attn_name, device)
     moe = get_moe_backend(cfg.moe_backend, loaded.config, loaded.weights.experts, device, cfg.moe_cache_size,
                           cfg.cpu_matmul)
     return Gemma4Model(loaded.config, loaded.weights, attn, moe, device, act_dtype, cfg.cpu_matmul)

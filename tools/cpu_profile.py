@@ -66,7 +66,8 @@ def instrument(layers: int) -> None:
         return loaded
 
     registry.ARCHITECTURES["gemma4"] = dataclasses.replace(arch, load=load_cut)
-    gemma.linear = timed(_linear_part, gemma.linear)
+    # every linear of the model goes through Gemma4Model._linear (the native path calls the kernel there)
+    gemma.Gemma4Model._linear = timed(lambda self, x, w: _linear_part(x, w), gemma.Gemma4Model._linear)
     gemma.embedding = timed(lambda *a, **k: "embed", gemma.embedding)
     gemma.Gemma4Model._route = timed(lambda *a, **k: "router", gemma.Gemma4Model._route)
     gemma.Gemma4Model.logits = timed(lambda *a, **k: "lm_head", gemma.Gemma4Model.logits)
@@ -94,6 +95,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--kv-dtype", default="auto", help="KV pool dtype: auto (fp32 on CPU), fp16, bf16")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     instrument(args.layers)
@@ -102,7 +104,8 @@ def main() -> None:
 
     b = args.batch
     llm = LLM(args.gguf, progress=True, cpu_matmul=args.cpu_matmul, cpu_threads=args.threads, device="cpu",
-              max_running_requests=max(8, b), chunked_prefill_size=max(512, b * args.prompt_len))
+              max_running_requests=max(8, b), chunked_prefill_size=max(512, b * args.prompt_len),
+              kv_cache_dtype=args.kv_dtype)
     eng = llm.engine
     model = eng.runner.model
     model.attn.forward = timed(lambda *a, **k: "attention", model.attn.forward)
@@ -134,7 +137,7 @@ def main() -> None:
         eng.step()
     scale = FULL_LAYERS[0] / eng.model_config.num_layers
     mid = sorted(decodes, key=lambda d: d[0])[len(decodes) // 2]
-    print(f"{args.gguf}: cpu_matmul {args.cpu_matmul}, {args.layers} layers, batch {b}, "
+    print(f"{args.gguf}: cpu_matmul {args.cpu_matmul}, kv {args.kv_dtype}, {args.layers} layers, batch {b}, "
           f"{args.threads} thread(s), {args.prompt_len}-token prompts")
     print(table(f"prefill chunk ({b} x {args.prompt_len} tokens)", *prefill, scale))
     print(table(f"decode step (batch {b}, median of {len(decodes)})", *mid, scale))

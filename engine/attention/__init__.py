@@ -1,4 +1,5 @@
-"""Attention backends by name, imported lazily: torch (reference, CPU) and triton (CUDA).
+"""Attention backends by name, imported lazily: torch (reference, CPU), native (CPU decode from the pool,
+engine/attention/native_backend.py) and triton (CUDA).
 
 `ATTENTION_BACKENDS.choices` is what `--attention-backend` accepts; `auto` = triton on CUDA, torch
 elsewhere.
@@ -22,6 +23,7 @@ def _auto(device: torch.device) -> str:
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention", _auto)
 ATTENTION_BACKENDS.register("torch", "swaserve.engine.attention.torch_backend:TorchAttentionBackend")
+ATTENTION_BACKENDS.register("native", "swaserve.engine.attention.native_backend:NativeAttentionBackend")
 ATTENTION_BACKENDS.register("triton", "swaserve.engine.attention.triton_backend:TritonAttentionBackend")
 
 

@@ -44,6 +44,7 @@ class _Plan:
     decode_rows: torch.Tensor | None  # [Bd] int64 rows of the q_len-1 sequences
     decode_slots: torch.Tensor | None  # [Bd, S] int64
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] bool
+    decode_counts: torch.Tensor | None  # [Bd] int64 valid keys per row (the first ones of its S)
     prefills: list[_Prefill]
 
 
@@ -68,6 +69,7 @@ def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tens
     plan.decode_rows = torch.tensor([cu[b] for b in decodes], dtype=torch.int64, device=device)
     plan.decode_slots = pages * page_size + kpos % page_size  # [Bd, S]
     plan.decode_mask = valid.to(device)[:, None, None, :]  # [Bd, 1, 1, S]
+    plan.decode_counts = (lens - starts).to(device)  # [Bd]
 
 
 def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_size: int,
@@ -94,7 +96,7 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
     """Gather plan of one pool kind: which pool slots (and mask) each query row attends to."""
     table = meta.swa_page_table if sliding else meta.full_page_table  # [B, max_pages]
     table = table.to(device)
-    plan = _Plan(None, None, None, [])
+    plan = _Plan(None, None, None, None, [])
     decodes = [b for b, q in enumerate(meta.q_lens) if q == 1]
     if decodes:
         _plan_decodes(meta, decodes, table, sliding, plan, device)
@@ -129,6 +131,20 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch[key] = buf
         return buf[:numel].view(shape)
 
+    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan,
+                out: torch.Tensor) -> None:
+        """The q_len-1 rows: padded into one batched SDPA call over their gathered keys."""
+        T, H, D = q.shape
+        KVH = K.shape[1]
+        rows = plan.decode_rows
+        Bd, S = plan.decode_slots.shape
+        flat = plan.decode_slots.view(-1)  # [Bd * S]
+        kg = self._gather("k", K, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
+        vg = self._gather("v", V, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
+        qd = q[rows].view(Bd, KVH, H // KVH, D)  # [Bd, KVH, G, D] (group folded into the query length)
+        o = F.scaled_dot_product_attention(qd, kg, vg, attn_mask=plan.decode_mask, scale=1.0)
+        out[rows] = o.reshape(Bd, H, D)
+
     def _gather(self, tag: str, src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """src[idx] ([n, KVH, D]) in `dtype`, written into a reused buffer (valid until the next call)."""
         raw = self._buf(tag, idx.numel(), src, src.dtype)
@@ -154,14 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)  # [T, H, D]
         plan = _get_plan(meta, sliding, q.device)
         if plan.decode_rows is not None:
-            rows = plan.decode_rows
-            Bd, S = plan.decode_slots.shape
-            flat = plan.decode_slots.view(-1)  # [Bd * S]
-            kg = self._gather("k", K, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
-            vg = self._gather("v", V, flat, q.dtype).view(Bd, S, KVH, D).transpose(1, 2)  # [Bd, KVH, S, D]
-            qd = q[rows].view(Bd, KVH, G, D)  # [Bd, KVH, G, D] (group folded into the query length)
-            o = F.scaled_dot_product_attention(qd, kg, vg, attn_mask=plan.decode_mask, scale=1.0)
-            out[rows] = o.reshape(Bd, H, D)
+            self._decode(q, K, V, plan, out)
         for pf in plan.prefills:
             kg = self._gather("k", K, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
             vg = self._gather("v", V, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]

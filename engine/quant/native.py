@@ -10,7 +10,7 @@ keyed by a hash of the source and the compiler flags; a fresh clone needs no bui
 AVX2/FMA/F16C, or the build fails: the callers then keep the exact path.
 
 Tensors passed in are CPU, contiguous; shapes are in each wrapper's docstring. The interleaved weight
-form is described in native_q4.c (rows in groups of 4, same bytes as the GGUF rows, reordered).
+form is described in native_q4.c (rows in groups of 8, same bytes as the GGUF rows, reordered).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_q4.c")
-ABI = 3  # swa_q4_abi() of the source this wrapper was written for
+SOURCES = [Path(__file__).with_name("native_q4.c"), Path(__file__).with_name("native_ops.c")]
+ABI = 5  # swa_q4_abi() of the source this wrapper was written for
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
-ROWS = 4  # weight rows per interleaved group
-_GROUP_BLOCK_BYTES = 72  # one 32-block of each of the 4 rows: 4 fp16 scales + 4 x 16 nibble bytes
+ROWS = 8  # weight rows per interleaved group
+_GROUP_BLOCK_BYTES = 144  # one 32-block of each of the 8 rows: 8 x 16 nibble bytes + 8 fp16 scales
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -41,8 +41,10 @@ _why_not = ""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_F = ctypes.c_float
 _SIGNATURES = {
     "swa_q4_abi": ([], ctypes.c_int),
+    "swa_q4_vnni": ([], ctypes.c_int),
     "swa_q4_packed_bytes": ([_I, _I], ctypes.c_int64),
     "swa_q4_repack": ([_P, _I, _I, _P, ctypes.c_int], None),
     "swa_q4_unpack": ([_P, _I, _I, _P], None),
@@ -50,12 +52,27 @@ _SIGNATURES = {
     "swa_q8_quant": ([_P, _I, _I, _P, _P, ctypes.c_int], None),
     "swa_q4_mm": ([_P, _I, _I, _P, _I, _P, ctypes.c_int], None),
     "swa_q4_moe": ([_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_int], None),
+    "swa_rms_norm": ([_P, _I, _I, _P, _F, _P, _P], None),
+    "swa_norm_rope": ([_P, _I, _I, _I, _P, _F, _P, _P, _I, _I], None),
+    "swa_ffn_tail": ([_P, _P, _P, _P, _P, _F, _F, _P, _I, _I], None),
+    "swa_router": ([_P, _I, _I, _P, _F, _P, _I, _I, _P, _P, _P], None),
+    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int],
+                        None),
 }
 
 
 def _cache_dir() -> Path:
     root = os.environ.get("SWASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "swaserve")
     return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    """The first `flags` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def _cpu_ok() -> str:
@@ -70,10 +87,13 @@ def _cpu_ok() -> str:
     return f"CPU lacks {', '.join(missing)}" if missing else ""
 
 
-def _build() -> Path:
-    """Compile native_q4.c into the cache (once per source + flags), return the library path."""
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the C sources into the cache (once per sources + flags + CPU), return the library path.
+    The CPU's flags are part of the key: -march=native code (VNNI, AVX512) must not be loaded from a
+    cache shared with a machine that lacks them."""
+    src = b"".join(p.read_bytes() for p in SOURCES)
+    flags = [*CFLAGS, *extra_flags]
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"swaserve_q4_{key}.so"
     if out.exists():
         return out
@@ -85,12 +105,33 @@ def _build() -> Path:
     # built aside and renamed: concurrent builders never load half a file
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        res = subprocess.run([cc, *CFLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True,
+        res = subprocess.run([cc, *flags, "-o", str(part), *map(str, SOURCES), "-lm"], capture_output=True,
                              text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'}")
         os.replace(part, out)
     return out
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.swa_q4_abi() != ABI:
+        raise RuntimeError(f"library ABI {lib.swa_q4_abi()} != {ABI}")
+    return lib
+
+
+def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernels built with extra compiler flags (e.g. ("-mno-avxvnni", "-mno-avx512vnni") for the
+    maddubs path on a VNNI machine): the tests compare ISA paths, which must give the same bits."""
+    return _open(_build(tuple(extra_flags)))
+
+
+def vnni() -> bool:
+    """Whether the loaded kernels compute the integer dots with VNNI (vpdpbusd)."""
+    return bool(_lib_or_raise().swa_q4_vnni())
 
 
 def load() -> ctypes.CDLL | None:
@@ -105,13 +146,7 @@ def load() -> ctypes.CDLL | None:
             # a shared 2-core box: OpenMP threads that spin at barriers while a neighbour holds the other
             # core make every kernel wait for the descheduled thread; sleep instead (unless set by the user)
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            lib = ctypes.CDLL(str(_build()))
-            for name, (args, res) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, res
-            if lib.swa_q4_abi() != ABI:
-                raise RuntimeError(f"library ABI {lib.swa_q4_abi()} != {ABI}")
-            _lib = lib
+            _lib = _open(_build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = str(e)
     if _lib is None:
@@ -140,7 +175,7 @@ def _threads(threads: int | None) -> int:
 
 
 def packed_bytes(n: int, k: int) -> int:
-    """Bytes of the interleaved form of an [n, k] Q4_0 weight (== the GGUF bytes, rows padded to 4)."""
+    """Bytes of the interleaved form of an [n, k] Q4_0 weight (== the GGUF bytes, rows padded to 8)."""
     return (n + ROWS - 1) // ROWS * (k // 32) * _GROUP_BLOCK_BYTES
 
 
@@ -186,22 +221,35 @@ def q8_quant(x: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor,
     return q, d
 
 
-def mm(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None) -> torch.Tensor:
+def mm(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None, *,
+       lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x fp32 [M, K] @ W^T -> fp32 [M, n] for an interleaved [n, K] weight (x quantized to Q8_0 inside)."""
     x = x.to(torch.float32).contiguous()
     m, k = x.shape
     assert packed.numel() == packed_bytes(n, k), (packed.numel(), n, k)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        _lib_or_raise().swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), _threads(threads))
+        (lib or _lib_or_raise()).swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(),
+                                           _threads(threads))
+    return y
+
+
+def mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`mm` without the checks, for a caller that guarantees them (the model's native path, once per
+    linear): x fp32 [M, K] contiguous, `packed` the interleaved [n, K] weight, the kernels loaded."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    (_lib or _lib_or_raise()).swa_q4_mm(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(),
+                                        torch.get_num_threads())
     return y
 
 
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        topk_weights: torch.Tensor, threads: int | None = None, *,
+        lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Routed MoE of one layer in one call: x fp32 [T, H]; gate_up uint8 [E, packed(2I, H)], down uint8
     [E, packed(H, I)] (interleaved, I = `inter`); topk_ids int64 [T, k], topk_weights fp32 [T, k]
-    -> fp32 [T, H] = sum_j w_j * down_e(gelu_tanh(gate_e x) * up_e x)."""
+    -> fp32 [T, H] = sum_j w_j * down_e(gelu_tanh(gate_e x) * up_e x). `lib`: another build (tests)."""
     x = x.to(torch.float32).contiguous()
     t, h = x.shape
     e = gate_up.shape[0]
@@ -212,7 +260,7 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, 
         raise IndexError(f"expert ids out of range [0, {e})")
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
-        _lib_or_raise().swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,
+        (lib or _lib_or_raise()).swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,
                                    ids.data_ptr(), w.data_ptr(), ids.shape[1], out.data_ptr(),
                                    _threads(threads))
     return out

@@ -1,16 +1,21 @@
-/* Q4_0 x Q8_0 CPU kernels (AVX2 + FMA + F16C, OpenMP), loaded with ctypes by engine/quant/native.py.
+/* Q4_0 x Q8_0 CPU kernels (AVX2 + FMA + F16C, AVX-VNNI when the build host has it; OpenMP), loaded
+with ctypes by engine/quant/native.py.
 
-Numerics (the ggml recipe, so results match llama.cpp's CPU path up to summation order): each row of
-activations is quantized per 32-block to Q8_0 (d = amax / 127 rounded to fp16, q = round(x / d)); the
-dot of the 4-bit weight codes (q - 8) with the int8 codes is exact in int32; blocks accumulate in fp32
-as d_w * d_x * dot.
+Numerics (ggml's Q8_0 recipe for the activations, so results match llama.cpp's CPU path up to
+summation order): each row of activations is quantized per 32-block to Q8_0 (d = amax / 127 rounded to
+fp16, q = round(x / d)); the block dot of the 4-bit codes c (weight = c - 8) with the int8 codes is
+exact in int32 (sum c * q - 8 * sum q, the code sum kept beside the codes); each output accumulates over
+the blocks in fp32, one fused multiply-add per block: acc = fma(dot, fp32(d_w * d_x), acc). Every
+output sees exactly these operations whatever M, the tile it falls in, or the ISA path (VNNI or
+maddubs + madd give the same integers), so a row's result does not depend on the batch around it.
 
-Weight layout ("interleaved"): rows in groups of ROWS = 4; for group g and block b, 72 bytes =
-the 4 rows' fp16 scales (8 B) then the 4 rows' 16 nibble bytes (4 x 16 B), nibbles exactly as GGUF
-stores them (low nibble of byte j = element j, high = element j + 16). Lossless: the same bytes as
-the GGUF rows (18 per block), reordered; a last partial group is padded with zero rows.
-Group g starts at g * nb * 72 (nb = K / 32). Every function releases nothing itself: ctypes drops
-the GIL around each call.
+Weight layout ("interleaved"): rows in groups of ROWS = 8. Group g (at g * nb * 144, nb = K / 32) is
+nb blocks of 128 nibble bytes, then nb x 8 fp16 scales (16 B per block). In a block's 128 bytes,
+chunk c (0..3) is 32 bytes = for each of the 8 rows its GGUF nibble bytes 4c .. 4c + 3 (low nibble of
+byte j = element j, high = element j + 16). One 256-bit load is then 8 rows x 4 bytes: an int32 lane
+per row, so a broadcast of 4 activation codes and a u8 x s8 dot give 8 rows' partial dots in 8 lanes
+(no horizontal sums). Lossless: the GGUF bytes (18 per row-block), reordered; a last partial group is
+padded with zero rows. Every function releases nothing itself: ctypes drops the GIL around each call.
 */
 #include <immintrin.h>
 #include <math.h>
@@ -21,22 +26,41 @@ the GIL around each call.
 
 #define QK 32
 #define BQ4 18
-#define ROWS 4
-#define GBYTES (ROWS * BQ4)  /* 72 bytes: one block of each row of a group */
-#define MAX_TILE 4
+#define ROWS 8
+#define NIB 128      /* nibble bytes of one block of a group: 8 rows x 16 */
+#define SCB 16       /* scale bytes of one block of a group: 8 fp16 */
+#define GBYTES 144   /* NIB + SCB = 8 x 18: the same bytes as the 8 GGUF row-blocks */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 24  /* software prefetch distance in blocks (3 KB ahead: weights stream from DRAM) */
+#endif
+#define MAX_TILE 4   /* activation rows per tile: 4 fp32 + 4-8 int32 accumulators stay in registers */
 
-int swa_q4_abi(void) { return 3; }
+int swa_q4_abi(void) { return 5; }
 
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
+/* 1 when the integer dots use VNNI (vpdpbusd), 0 for maddubs + madd: same integers either way */
+#if defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#endif
+#ifdef DPBUSD
+int swa_q4_vnni(void) { return 1; }
+#else
+int swa_q4_vnni(void) { return 0; }
+#endif
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
-/* one row of K floats -> Q8_0 codes q [K] and fp32 scales d [K / 32] (values of fp16 numbers) */
-static void quant_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
+static inline int32_t load_i32(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* one row of K floats -> Q8_0 codes q [K], fp32 scales d [K / 32] (values of fp16 numbers) and, when
+   s is not NULL, 8 x the sum of each block's codes (the -8 offset of the Q4_0 codes, folded in once) */
+static void quant_row_q8(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
     const __m256 signbit = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < K / QK; ++b) {
@@ -57,6 +81,7 @@ static void quant_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
         __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if (s) s[b] = 8 * hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
         i0 = _mm256_packs_epi32(i0, i1);
         i2 = _mm256_packs_epi32(i2, i3);
         i0 = _mm256_packs_epi16(i0, i2);
@@ -64,90 +89,97 @@ static void quant_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
     }
 }
 
-/* 32 signed weights (code - 8) of one block's 16 nibble bytes */
-static inline __m256i unpack_q4(const uint8_t* qs) {
-    __m128i t = _mm_loadu_si128((const __m128i*)qs);
-    __m256i v = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
-    v = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-}
-
-/* 8 fp32 partial sums of w . x (w signed in [-8, 7], x int8), exact */
-static inline __m256 dot_i8(__m256i abs_w, __m256i w, __m256i x, __m256i ones) {
-    __m256i p16 = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-}
-
-/* Activation rows by pointer (MoE groups rows without copying): codes, scales, output row. */
+/* Activation rows by pointer (MoE groups rows without copying): codes, scales, 8 x code sums, output. */
 typedef struct {
     const int8_t* const* xq;
     const float* const* xd;
+    const int32_t* const* xs;
     float* const* y;
 } Rows;
 
-/* the 4 rows of group g (outputs n0 .. n0 + valid) for one activation row m: 4 accumulators */
-static void tile_r4_m1(const uint8_t* grp, int64_t nb, const int8_t* xq, const float* xd, float* y,
-                       int64_t n0, int valid) {
+/* The 8 rows of one group (outputs n0 .. n0 + valid) for MT activation rows m0 .. m0 + MT: per block,
+   8 lanes = 8 rows' exact sum(c * q) (c the 4-bit codes), minus 8 sum(q), then one fma per output.
+   MT is a constant at every call site, so the loops over i unroll and the accumulators stay in
+   registers; MT <= 2 keeps two integer chains per row for latency (exact sums: same integers). */
+static inline __attribute__((always_inline)) void tile(const uint8_t* grp, int64_t nb, const Rows* rows,
+                                                       int64_t m0, const int MT, int64_t n0, int valid) {
+    const uint8_t* scales = grp + nb * NIB;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#ifndef DPBUSD
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+#endif
+    __m256 acc[MAX_TILE];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = grp + b * GBYTES;
-        _mm_prefetch((const char*)(blk + 4 * GBYTES), _MM_HINT_T0);
-        _mm_prefetch((const char*)(blk + 4 * GBYTES + 64), _MM_HINT_T0);
-        __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)blk));  /* 4 row scales */
-        __m128 s = _mm_mul_ps(dw, _mm_set1_ps(xd[b]));
-        float sc[ROWS];
-        _mm_storeu_ps(sc, s);
-        __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-        for (int r = 0; r < ROWS; ++r) {
-            __m256i w = unpack_q4(blk + 8 + 16 * r);
-            __m256 p = dot_i8(_mm256_sign_epi8(w, w), w, x, ones);
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[r]), acc[r]);
+        const uint8_t* nib = grp + b * NIB;
+        /* weights stream from DRAM in decode: ask for them PF_BLOCKS blocks ahead (beyond the group's
+           end it is the next group's first blocks, which the next tile reads) */
+        _mm_prefetch((const char*)(nib + PF_BLOCKS * NIB), _MM_HINT_T0);
+        _mm_prefetch((const char*)(nib + PF_BLOCKS * NIB + 64), _MM_HINT_T0);
+        if ((b & 3) == 0) _mm_prefetch((const char*)(scales + (b + PF_BLOCKS) * SCB), _MM_HINT_T0);
+        __m256i ia[MAX_TILE], ib[MAX_TILE];
+        for (int i = 0; i < MT; ++i) ia[i] = ib[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+            __m256i p = _mm256_loadu_si256((const __m256i*)(nib + 32 * c));
+            __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            for (int i = 0; i < MT; ++i) {
+                const int8_t* xb = rows->xq[m0 + i] + b * QK;
+                __m256i xl = _mm256_set1_epi32(load_i32(xb + 4 * c));
+                __m256i xh = _mm256_set1_epi32(load_i32(xb + 16 + 4 * c));
+#ifdef DPBUSD
+                if (MT <= 2) {
+                    ia[i] = DPBUSD(ia[i], lo, xl);
+                    ib[i] = DPBUSD(ib[i], hi, xh);
+                } else {
+                    ia[i] = DPBUSD(DPBUSD(ia[i], lo, xl), hi, xh);
+                }
+#else
+                /* int16 lanes: 16 products of |c| <= 15, |q| <= 127 each: <= 30480, no overflow */
+                ia[i] = _mm256_add_epi16(ia[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                 _mm256_maddubs_epi16(hi, xh)));
+#endif
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + b * SCB)));
+        for (int i = 0; i < MT; ++i) {
+#ifdef DPBUSD
+            __m256i dot = MT <= 2 ? _mm256_add_epi32(ia[i], ib[i]) : ia[i];
+#else
+            __m256i dot = _mm256_madd_epi16(ia[i], ones);
+#endif
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(rows->xs[m0 + i][b]));
+            __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(rows->xd[m0 + i][b]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[i]);
         }
     }
-    for (int r = 0; r < valid; ++r) y[n0 + r] = hsum256(acc[r]);
+    for (int i = 0; i < MT; ++i) {
+        float* y = rows->y[m0 + i] + n0;
+        if (valid == ROWS) {
+            _mm256_storeu_ps(y, acc[i]);
+        } else {
+            float t[ROWS];
+            _mm256_storeu_ps(t, acc[i]);
+            for (int r = 0; r < valid; ++r) y[r] = t[r];
+        }
+    }
 }
 
-/* one row r of group g for MT activation rows: each weight block unpacked once for MT rows */
-#define DEFINE_TILE_R1(MT)                                                                             \
-static void tile_r1_m##MT(const uint8_t* grp, int64_t nb, int r, const Rows* rows, int64_t m0,        \
-                          int64_t n) {                                                                 \
-    const __m256i ones = _mm256_set1_epi16(1);                                                        \
-    __m256 acc[MT];                                                                                    \
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();                                        \
-    for (int64_t b = 0; b < nb; ++b) {                                                                 \
-        const uint8_t* blk = grp + b * GBYTES;                                                         \
-        if (r == 0) _mm_prefetch((const char*)(blk + 4 * GBYTES), _MM_HINT_T0);                        \
-        if (r == 0) _mm_prefetch((const char*)(blk + 4 * GBYTES + 64), _MM_HINT_T0);                   \
-        float dw = _cvtsh_ss(((const uint16_t*)blk)[r]);                                               \
-        __m256i w = unpack_q4(blk + 8 + 16 * r);                                                       \
-        __m256i aw = _mm256_sign_epi8(w, w);                                                           \
-        for (int i = 0; i < MT; ++i) {                                                                 \
-            __m256i x = _mm256_loadu_si256((const __m256i*)(rows->xq[m0 + i] + b * QK));              \
-            __m256 p = dot_i8(aw, w, x, ones);                                                         \
-            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * rows->xd[m0 + i][b]), acc[i]);             \
-        }                                                                                              \
-    }                                                                                                  \
-    for (int i = 0; i < MT; ++i) rows->y[m0 + i][n] = hsum256(acc[i]);                                \
-}
-DEFINE_TILE_R1(4)
-
-/* outputs of groups [g0, g1) for all M activation rows */
+/* outputs of groups [g0, g1) for all M activation rows: tiles of 4 rows, then one tile of the rest */
 static void gemm_groups(const uint8_t* W, int64_t nb, int64_t N, int64_t g0, int64_t g1, int64_t M,
                         const Rows* rows) {
     const size_t gstride = (size_t)nb * GBYTES;
     int64_t m = 0;
-    for (; m + MAX_TILE <= M; m += MAX_TILE)
-        for (int64_t g = g0; g < g1; ++g) {
-            int valid = (int)(N - g * ROWS < ROWS ? N - g * ROWS : ROWS);
-            for (int r = 0; r < valid; ++r) tile_r1_m4(W + g * gstride, nb, r, rows, m, g * ROWS + r);
-        }
-    for (; m < M; ++m)
-        for (int64_t g = g0; g < g1; ++g) {
-            int valid = (int)(N - g * ROWS < ROWS ? N - g * ROWS : ROWS);
-            tile_r4_m1(W + g * gstride, nb, rows->xq[m], rows->xd[m], rows->y[m], g * ROWS, valid);
-        }
+#define GROUPS_LOOP(MT)                                                                                \
+    for (int64_t g = g0; g < g1; ++g)                                                                  \
+        tile(W + g * gstride, nb, rows, m, MT, g * ROWS, (int)(N - g * ROWS < ROWS ? N - g * ROWS : ROWS))
+    for (; m + MAX_TILE <= M; m += MAX_TILE) GROUPS_LOOP(4);
+    switch (M - m) {
+        case 3: GROUPS_LOOP(3); break;
+        case 2: GROUPS_LOOP(2); break;
+        case 1: GROUPS_LOOP(1); break;
+        default: break;
+    }
+#undef GROUPS_LOOP
 }
 
 static inline int64_t groups_of(int64_t n) { return (n + ROWS - 1) / ROWS; }
@@ -162,50 +194,50 @@ void swa_q4_repack(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int n
     for (int64_t g = 0; g < G; ++g) {
         uint8_t* out = dst + (size_t)g * nb * GBYTES;
         for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* blk = out + b * GBYTES;
+            uint8_t* nib = out + b * NIB;
+            uint8_t* sc = out + nb * NIB + b * SCB;
             for (int r = 0; r < ROWS; ++r) {
                 int64_t n = g * ROWS + r;
-                if (n < N) {
-                    const uint8_t* s = src + ((size_t)n * nb + b) * BQ4;
-                    memcpy(blk + 2 * r, s, 2);
-                    memcpy(blk + 8 + 16 * r, s + 2, 16);
-                } else {
-                    memset(blk + 2 * r, 0, 2);
-                    memset(blk + 8 + 16 * r, 0x88, 16);  /* codes 8: value 0 */
+                const uint8_t* s = n < N ? src + ((size_t)n * nb + b) * BQ4 : NULL;
+                if (s) memcpy(sc + 2 * r, s, 2); else memset(sc + 2 * r, 0, 2);
+                for (int c = 0; c < 4; ++c) {
+                    if (s) memcpy(nib + 32 * c + 4 * r, s + 2 + 4 * c, 4);
+                    else memset(nib + 32 * c + 4 * r, 0x88, 4);  /* codes 8: value 0 */
                 }
             }
         }
     }
 }
 
+/* row n, block b of an interleaved weight -> its GGUF block (18 bytes) */
+static inline void gguf_block(const uint8_t* W, int64_t nb, int64_t n, int64_t b, uint8_t* o) {
+    const uint8_t* grp = W + (size_t)(n / ROWS) * nb * GBYTES;
+    int r = (int)(n % ROWS);
+    memcpy(o, grp + nb * NIB + b * SCB + 2 * r, 2);
+    for (int c = 0; c < 4; ++c) memcpy(o + 2 + 4 * c, grp + b * NIB + 32 * c + 4 * r, 4);
+}
+
 /* interleaved -> GGUF rows (the inverse of swa_q4_repack; dst [N, K/32 * 18]) */
 void swa_q4_unpack(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const int64_t nb = K / QK;
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* grp = src + (size_t)(n / ROWS) * nb * GBYTES;
-        int r = (int)(n % ROWS);
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* o = dst + ((size_t)n * nb + b) * BQ4;
-            memcpy(o, grp + b * GBYTES + 2 * r, 2);
-            memcpy(o + 2, grp + b * GBYTES + 8 + 16 * r, 16);
-        }
-    }
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < nb; ++b) gguf_block(src, nb, n, b, dst + ((size_t)n * nb + b) * BQ4);
 }
 
 /* rows ids [R] of the interleaved weight, dequantized: out [R, K] fp32 (embedding lookup) */
 void swa_q4_rows(const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t R, float* out) {
     const int64_t nb = K / QK;
     for (int64_t i = 0; i < R; ++i) {
-        int64_t n = ids[i];
-        const uint8_t* grp = W + (size_t)(n / ROWS) * nb * GBYTES;
-        int r = (int)(n % ROWS);
         float* o = out + i * K;
         for (int64_t b = 0; b < nb; ++b) {
-            float d = _cvtsh_ss(((const uint16_t*)(grp + b * GBYTES))[r]);
-            const uint8_t* qs = grp + b * GBYTES + 8 + 16 * r;
+            uint8_t blk[BQ4];
+            gguf_block(W, nb, ids[i], b, blk);
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            float d = _cvtsh_ss(h);
             for (int j = 0; j < 16; ++j) {
-                o[b * QK + j] = (float)((qs[j] & 0x0F) - 8) * d;
-                o[b * QK + j + 16] = (float)((qs[j] >> 4) - 8) * d;
+                o[b * QK + j] = (float)((blk[2 + j] & 0x0F) - 8) * d;
+                o[b * QK + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
             }
         }
     }
@@ -215,41 +247,73 @@ void swa_q4_rows(const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int
 /* x [M, K] fp32 -> Q8_0 codes q [M, K] and scales d [M, K / 32] */
 void swa_q8_quant(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) quant_row_q8(x + m * K, K, q + m * K, d + m * (K / QK));
+    for (int64_t m = 0; m < M; ++m) quant_row_q8(x + m * K, K, q + m * K, d + m * (K / QK), NULL);
 }
 
-#define GROUP_CHUNK 8  /* groups per work item: 32 weight rows stay in L2 while M rows pass over them */
+#define GROUP_CHUNK 4  /* groups per work item: 32 weight rows stay in L1/L2 while M rows pass over them */
 
 /* y [M, N] = x [M, K] @ W^T, W interleaved [N, K] */
 void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y, int nthreads) {
     const int64_t nb = K / QK, G = groups_of(N);
     int8_t* xq = (int8_t*)malloc((size_t)M * K);
     float* xd = (float*)malloc((size_t)M * nb * sizeof(float));
+    int32_t* xs = (int32_t*)malloc((size_t)M * nb * sizeof(int32_t));
     const int8_t** xqs = (const int8_t**)malloc(M * sizeof(void*));
     const float** xds = (const float**)malloc(M * sizeof(void*));
+    const int32_t** xss = (const int32_t**)malloc(M * sizeof(void*));
     float** ys = (float**)malloc(M * sizeof(void*));
-    for (int64_t m = 0; m < M; ++m) { xqs[m] = xq + m * K; xds[m] = xd + m * nb; ys[m] = y + m * N; }
-    Rows rows = {xqs, xds, ys};
-    const int64_t chunk = M == 1 ? 4 : GROUP_CHUNK, nchunks = (G + chunk - 1) / chunk;
+    for (int64_t m = 0; m < M; ++m) {
+        xqs[m] = xq + m * K; xds[m] = xd + m * nb; xss[m] = xs + m * nb; ys[m] = y + m * N;
+    }
+    Rows rows = {xqs, xds, xss, ys};
+    const int64_t chunk = M == 1 ? 2 : GROUP_CHUNK, nchunks = (G + chunk - 1) / chunk;
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) quant_row_q8(x + m * K, K, xq + m * K, xd + m * nb);
+        for (int64_t m = 0; m < M; ++m) quant_row_q8(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
         #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; ++c) {
             int64_t g1 = (c + 1) * chunk < G ? (c + 1) * chunk : G;
             gemm_groups(W, nb, N, c * chunk, g1, M, &rows);
         }
     }
-    free(xq); free(xd); free(xqs); free(xds); free(ys);
+    free(xq); free(xd); free(xs); free(xqs); free(xds); free(xss); free(ys);
 }
 
-static inline float gelu_tanh(float g) {
-    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2 in two parts;
+   ~1 ulp) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* h[i] = gelu_tanh(h[i]) * h[I + i], i < I (I a multiple of 8); gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
+   g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3) */
+static void gelu_mul(float* h, int64_t I) {
+    const __m256 c1 = _mm256_set1_ps(-2.f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t i = 0; i < I; i += 8) {
+        __m256 g = _mm256_loadu_ps(h + i);
+        __m256 u = _mm256_mul_ps(c1, _mm256_fmadd_ps(_mm256_mul_ps(c3, g), _mm256_mul_ps(g, g), g));
+        __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(u)));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(h + I + i)));
+    }
 }
 
 /* Routed-MoE layer, all tokens grouped by expert in one call:
-   out [T, H] = sum_j w[t, j] * down_e(gelu_tanh(gate_e x_t) * up_e x_t), e = ids[t, j].
+   out [T, H] = sum_j w[t, j] * down_e(gelu_tanh(gate_e x_t) * up_e x_t), e = ids[t, j] (I a multiple of 32).
    gate_up: E interleaved [2I, H] weights back to back (gate rows [0, I), up rows [I, 2I));
    down: E interleaved [H, I] weights. Work items (expert, group chunk) share one OpenMP region. */
 void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, const uint8_t* down,
@@ -271,21 +335,25 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
     for (int64_t e = 0; e < E; ++e) if (start[e + 1] > start[e]) active[nact++] = e;
     int8_t* xq = (int8_t*)malloc((size_t)T * H);
     float* xd = (float*)malloc((size_t)T * nbH * sizeof(float));
+    int32_t* xs = (int32_t*)malloc((size_t)T * nbH * sizeof(int32_t));
     float* hbuf = (float*)malloc((size_t)A * I2 * sizeof(float));  /* gate_up outputs, sorted slots */
     int8_t* hq = (int8_t*)malloc((size_t)A * I);
     float* hd = (float*)malloc((size_t)A * nbI * sizeof(float));
+    int32_t* hs = (int32_t*)malloc((size_t)A * nbI * sizeof(int32_t));
     float* ybuf = (float*)malloc((size_t)A * H * sizeof(float));   /* down outputs, sorted slots */
     const int8_t** xqs = (const int8_t**)malloc(A * sizeof(void*));
     const float** xds = (const float**)malloc(A * sizeof(void*));
+    const int32_t** xss = (const int32_t**)malloc(A * sizeof(void*));
     const int8_t** hqs = (const int8_t**)malloc(A * sizeof(void*));
     const float** hds = (const float**)malloc(A * sizeof(void*));
+    const int32_t** hss = (const int32_t**)malloc(A * sizeof(void*));
     float** hps = (float**)malloc(A * sizeof(void*));
     float** yps = (float**)malloc(A * sizeof(void*));
     for (int64_t s = 0; s < A; ++s) {
         int64_t t = order[s] / k;
-        xqs[s] = xq + t * H; xds[s] = xd + t * nbH;
+        xqs[s] = xq + t * H; xds[s] = xd + t * nbH; xss[s] = xs + t * nbH;
         hps[s] = hbuf + s * I2; yps[s] = ybuf + s * H;
-        hqs[s] = hq + s * I; hds[s] = hd + s * nbI;
+        hqs[s] = hq + s * I; hds[s] = hd + s * nbI; hss[s] = hs + s * nbI;
     }
     const int64_t G1 = groups_of(I2), G2 = groups_of(H);
     const int64_t c1 = GROUP_CHUNK, c2 = GROUP_CHUNK;
@@ -293,24 +361,24 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) quant_row_q8(x + t * H, H, xq + t * H, xd + t * nbH);
+        for (int64_t t = 0; t < T; ++t) quant_row_q8(x + t * H, H, xq + t * H, xd + t * nbH, xs + t * nbH);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < nact * n1; ++it) {
             int64_t e = active[it / n1], c = it % n1, s0 = start[e];
-            Rows rows = {xqs + s0, xds + s0, hps + s0};
+            Rows rows = {xqs + s0, xds + s0, xss + s0, hps + s0};
             int64_t g1 = (c + 1) * c1 < G1 ? (c + 1) * c1 : G1;
             gemm_groups(gate_up + e * gu_stride, nbH, I2, c * c1, g1, start[e + 1] - s0, &rows);
         }
         #pragma omp for schedule(static)
         for (int64_t s = 0; s < A; ++s) {
             float* h = hps[s];
-            for (int64_t i = 0; i < I; ++i) h[i] = gelu_tanh(h[i]) * h[I + i];  /* in place: [0, I) */
-            quant_row_q8(h, I, hq + s * I, hd + s * nbI);
+            gelu_mul(h, I);  /* in place: [0, I) */
+            quant_row_q8(h, I, hq + s * I, hd + s * nbI, hs + s * nbI);
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < nact * n2; ++it) {
             int64_t e = active[it / n2], c = it % n2, s0 = start[e];
-            Rows rows = {hqs + s0, hds + s0, yps + s0};
+            Rows rows = {hqs + s0, hds + s0, hss + s0, yps + s0};
             int64_t g1 = (c + 1) * c2 < G2 ? (c + 1) * c2 : G2;
             gemm_groups(down + e * dn_stride, nbI, H, c * c2, g1, start[e + 1] - s0, &rows);
         }
@@ -327,4 +395,5 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
     }
     free(start); free(order); free(slot); free(fill); free(active); free(xq); free(xd); free(hbuf);
     free(hq); free(hd); free(ybuf); free(xqs); free(xds); free(hqs); free(hds); free(hps); free(yps);
+    free(xs); free(hs); free(xss); free(hss);
 }

@@ -81,7 +81,7 @@ def test_config_from_kwargs() -> None:
 
 
 def test_backend_registries() -> None:
-    assert ATTENTION_BACKENDS.choices == ("auto", "torch", "triton")
+    assert ATTENTION_BACKENDS.choices == ("auto", "torch", "native", "triton")
     assert MOE_BACKENDS.choices == ("auto", "torch", "cpu", "triton", "offload")
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cpu")) == "torch"
     assert ATTENTION_BACKENDS.resolve("auto", torch.device("cuda")) == "triton"
@@ -96,3 +96,17 @@ def test_cpu_matmul_reaches_the_model_and_moe() -> None:
 
     bundle = load_model(engine_config_from_kwargs(None, device="cpu", cpu_matmul="fast"), progress=False)
     assert bundle.model.cpu_matmul == "fast" and bundle.model.moe.cpu_matmul == "fast"
+    assert type(bundle.model.attn).__name__ == "TorchAttentionBackend" and not bundle.model._glue
+
+
+def test_native_path_picks_the_native_attention_and_glue() -> None:
+    from swaserve.engine.quant import native
+    from swaserve.models.registry import load_model
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
+    cfg = engine_config_from_kwargs(None, device="cpu", cpu_matmul="native")
+    model = load_model(cfg, progress=False).model
+    assert type(model.attn).__name__ == "NativeAttentionBackend" and model._glue
+    cfg = engine_config_from_kwargs(None, device="cpu", cpu_matmul="native", attention_backend="torch")
+    assert type(load_model(cfg, progress=False).model.attn).__name__ == "TorchAttentionBackend"

@@ -45,7 +45,7 @@ def _q8_dequant(x: torch.Tensor) -> torch.Tensor:
 def test_repack_is_lossless(n: int, k: int) -> None:
     qw = _q4(np.random.default_rng(n), n, k)
     packed = native.repack(qw.data, n, k)
-    assert packed.numel() == native.packed_bytes(n, k) == -(-n // 4) * 4 * (k // 32) * 18
+    assert packed.numel() == native.packed_bytes(n, k) == -(-n // 8) * 8 * (k // 32) * 18
     assert torch.equal(native.unpack(packed, n, k), qw.data)  # same bytes, back in GGUF order
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(native.rows(packed, n, k, ids), dequantize(qw)[ids])  # exact dequantized rows
@@ -140,3 +140,73 @@ def test_moe_rejects_bad_expert_ids() -> None:
     with pytest.raises(IndexError):
         native.moe(x, native.repack(gu.data, 64, 64), native.repack(dn.data, 64, 32), 32,
                    torch.tensor([[2]]), torch.ones(1, 1))
+
+
+def _blockwise_fp32(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    """The documented per-output recipe, computed independently: integer dots from gguf's decoded codes
+    and the reference Q8_0 codes, scales fp32(d_w * d_x), fp32 accumulation with one rounding per block
+    (an fma: the product is exact in float64 and rounded once with the sum)."""
+    n, k = qw.shape
+    q, d = _q8_ref(x)  # [M, K] int8, [M, K/32]
+    wd = dequantize(qw).view(n, k // 32, 32)  # (c - 8) * d_w, exact in fp32
+    dw = torch.from_numpy(np.frombuffer(qw.data.view(n, k // 32, 18)[:, :, :2].contiguous().numpy().tobytes(),
+                                        dtype=np.float16).astype(np.float32)).view(n, k // 32)
+    codes = torch.where(dw[..., None] != 0, wd / dw[..., None], torch.zeros_like(wd)).round().long()
+    dots = torch.einsum("mbj,nbj->mnb", q.view(x.shape[0], -1, 32).long(), codes)  # [M, N, K/32] exact
+    scale = (dw[None] * d[:, None]).float()  # [M, N, K/32] fp32 products, as the kernel rounds them
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float32)
+    for b in range(k // 32):
+        acc = (acc.double() + dots[..., b].double() * scale[..., b].double()).float()  # fma: one rounding
+    return acc
+
+
+@pytest.mark.parametrize("n", [8, 13, 40])
+def test_tiles_equal_blockwise_recipe_at_every_m(n: int) -> None:
+    """M = 1..40 (full 4-row tiles and every ragged tail, N with and without a partial 8-row group):
+    bit-equal to the per-output recipe computed independently in torch, and within fp32 accumulation of
+    the float64 product of the dequantized operands."""
+    k = 96
+    rng = np.random.default_rng(n)
+    qw = _q4(rng, n, k)
+    packed = native.repack(qw.data, n, k)
+    wd = dequantize(qw).double()
+    x_all = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32)) * 3
+    for m in range(1, 41):
+        x = x_all[:m]
+        y = native.mm(x, packed, n)
+        assert torch.equal(y, _blockwise_fp32(x, qw)), m
+        ref = _q8_dequant(x) @ wd.T
+        scale = (_q8_dequant(x).abs() @ wd.abs().T).max().item()
+        assert (y.double() - ref).abs().max().item() <= 1e-6 * scale
+
+
+def test_row_results_do_not_depend_on_the_batch() -> None:
+    """A row's output is the same bits alone (M = 1), in a full tile, or in any tail position."""
+    rng = np.random.default_rng(5)
+    n, k = 37, 256
+    qw = _q4(rng, n, k)
+    packed = native.repack(qw.data, n, k)
+    x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
+    alone = torch.cat([native.mm(x[i:i + 1], packed, n) for i in range(11)])
+    for m in (2, 3, 4, 5, 7, 11):
+        assert torch.equal(native.mm(x[:m], packed, n), alone[:m])
+    assert torch.equal(native.mm(x, packed, n, threads=2), alone)
+
+
+def test_vnni_and_maddubs_builds_give_the_same_bits() -> None:
+    """The two integer-dot paths (vpdpbusd where the build host has it, maddubs + madd otherwise) must
+    produce identical outputs; on a machine without VNNI both builds are the maddubs path."""
+    plain = native.build_variant(("-mno-avxvnni", "-mno-avx512vnni"))
+    assert plain.swa_q4_vnni() == 0
+    rng = np.random.default_rng(9)
+    n, k, inter, e = 24, 128, 64, 6
+    qw = _q4(rng, n, k)
+    packed = native.repack(qw.data, n, k)
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    assert torch.equal(native.mm(x, packed, n), native.mm(x, packed, n, lib=plain))
+    gu, dn = _q4(rng, 2 * inter, k, (e,)), _q4(rng, k, inter, (e,))
+    gup, dnp = native.repack(gu.data, 2 * inter, k), native.repack(dn.data, k, inter)
+    ids = torch.tensor([[0, 3], [3, 5], [0, 3], [1, 2], [3, 0], [4, 5], [3, 1], [0, 2], [5, 3]])
+    w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1))
+    ref = native.moe(x, gup, dnp, inter, ids, w)
+    assert torch.equal(native.moe(x, gup, dnp, inter, ids, w, lib=plain), ref)

@@ -1,0 +1,259 @@
+/* CPU glue kernels of the decoder layer (AVX2 + FMA, OpenMP), built into the same library as
+native_q4.c and called through engine/quant/native.py: fp32 RMS norms (optionally added into the
+residual stream), the per-head q/k norm + NeoX rope in place, the layer tail after the two FFN branches,
+and decode attention straight from the paged KV pool (no gathered copy). Each replaces 5-20 small torch
+ops per call. Numerics are fp32 like the torch code they replace; sums run in a different order (8
+lanes, then the lanes), so results differ from it in the last bits: models/gemma4.py uses them on the
+native CPU path only (which already quantizes activations), the exact path keeps the torch ops.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* sum of x[i] * y[i], i < n (n a multiple of 8) */
+static inline float dot8(const float* x, const float* y, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), a1);
+    }
+    for (; i < n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row (n a multiple of 8) */
+static inline float rms_inv(const float* x, int64_t n, float eps) {
+    return 1.f / sqrtf(dot8(x, x, n) / (float)n + eps);
+}
+
+/* y = x * r * w (w NULL: no weight), elementwise; y may be x */
+static inline void scale_row(const float* x, float r, const float* w, float* y, int64_t n) {
+    __m256 rv = _mm256_set1_ps(r);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), rv);
+        if (w) v = _mm256_mul_ps(v, _mm256_loadu_ps(w + i));
+        _mm256_storeu_ps(y + i, v);
+    }
+}
+
+/* x [M, N] -> out = rms_norm(x) * w (out may be x); with res != NULL, res += that instead (out unused) */
+void swa_rms_norm(const float* x, int64_t M, int64_t N, const float* w, float eps, float* out, float* res) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * N;
+        float r = rms_inv(xr, N, eps);
+        __m256 rv = _mm256_set1_ps(r);
+        if (res == NULL) {
+            scale_row(xr, r, w, out + m * N, N);
+            continue;
+        }
+        float* hr = res + m * N;
+        for (int64_t i = 0; i < N; i += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), rv);
+            if (w) v = _mm256_mul_ps(v, _mm256_loadu_ps(w + i));
+            _mm256_storeu_ps(hr + i, _mm256_add_ps(_mm256_loadu_ps(hr + i), v));
+        }
+    }
+}
+
+/* In place on x [T, nh, D]: per head rms_norm(x) * w (w NULL: none), then NeoX rope on the pairs
+   (i, half + i), i < n, with cos/sin [T, n] (n = 0: no rope). */
+void swa_norm_rope(float* x, int64_t T, int64_t nh, int64_t D, const float* w, float eps,
+                   const float* cos_t, const float* sin_t, int64_t n, int64_t half) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* c = cos_t + t * n;
+        const float* s = sin_t + t * n;
+        for (int64_t h = 0; h < nh; ++h) {
+            float* xr = x + (t * nh + h) * D;
+            scale_row(xr, rms_inv(xr, D, eps), w, xr, D);
+            for (int64_t i = 0; i < n; ++i) {
+                float x1 = xr[i], x2 = xr[half + i];
+                xr[i] = x1 * c[i] - x2 * s[i];
+                xr[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* The layer tail: h = (h + norm(norm(m1, w1) + norm(m2, w2), w)) * scalar, rows of N; m1, m2 are
+   overwritten (scratch). */
+void swa_ffn_tail(float* m1, float* m2, const float* w1, const float* w2, const float* w, float eps,
+                  float scalar, float* h, int64_t M, int64_t N) {
+    for (int64_t m = 0; m < M; ++m) {
+        float *a = m1 + m * N, *b = m2 + m * N, *hr = h + m * N;
+        scale_row(a, rms_inv(a, N, eps), w1, a, N);
+        scale_row(b, rms_inv(b, N, eps), w2, b, N);
+        for (int64_t i = 0; i < N; i += 8)
+            _mm256_storeu_ps(a + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        float r = rms_inv(a, N, eps);
+        __m256 rv = _mm256_set1_ps(r), sv = _mm256_set1_ps(scalar);
+        for (int64_t i = 0; i < N; i += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), rv), _mm256_loadu_ps(w + i));
+            _mm256_storeu_ps(hr + i, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(hr + i), v), sv));
+        }
+    }
+}
+
+/* 8 floats of a KV row stored as fp32 (kt 0), fp16 (kt 1) or bf16 (kt 2), at element offset i */
+static inline __m256 load_kv(const void* row, int64_t i, int kt) {
+    if (kt == 0) return _mm256_loadu_ps((const float*)row + i);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + i));
+    if (kt == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float dot_kv(const float* q, const void* k, int64_t n, int kt) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k, i, kt), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load_kv(k, i + 8, kt), a1);
+    }
+    for (; i < n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k, i, kt), a0);
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2; ~1 ulp) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* p[0 .. n) = softmax(p[0 .. n)) in place */
+static void softmax_row(float* p, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t s = 0; s < n; ++s) mx = p[s] > mx ? p[s] : mx;
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), m));
+        _mm256_storeu_ps(p + s, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    for (; s < n; ++s) { p[s] = expf(p[s] - mx); sum += p[s]; }
+    const float inv = 1.f / (sum + hsum8(acc));
+    for (s = 0; s < n; ++s) p[s] *= inv;
+}
+
+#define PF_KEYS 8  /* K and V rows prefetched this many keys ahead */
+
+/* Decode attention (one query token per sequence, scale 1): for decode row b (token row rows[b] of q
+   and out, both [*, H, D] fp32) and query head j (KV head j / (H / KVH)): softmax over the keys at slots
+   slots[b, 0 .. counts[b]) of q . K[slot], times V[slot]. K and V are the pool's strided views, of
+   element type kt (0 fp32, 1 fp16, 2 bf16; read as fp32): element (slot, kv head, d) at
+   slot * rs + kv_head * D + d. Work items (b, kv head) run in parallel. Scores take 4 keys at a time
+   (4 independent accumulator chains); the weighted sum keeps 64 output floats in registers over all
+   keys. */
+void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                     const void* K, const void* V, int64_t rs, int kt, const int64_t* slots, int64_t S,
+                     const int64_t* counts, float* out, int nthreads) {
+    const int64_t G = H / KVH, es = kt == 0 ? 4 : 2;
+    const uint8_t *Kb = (const uint8_t*)K, *Vb = (const uint8_t*)V;
+    #pragma omp parallel num_threads(nthreads) if (B * KVH > 1)
+    {
+        float* p = (float*)malloc((size_t)G * S * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < B * KVH; ++it) {
+            const int64_t b = it / KVH, kh = it % KVH, n = counts[b];
+            const int64_t* sl = slots + b * S;
+            const float* qb = q + (rows[b] * H + kh * G) * D;
+            float* ob = out + (rows[b] * H + kh * G) * D;
+            for (int64_t s = 0; s < n; s += 4) {
+                const uint8_t* kr[4];
+                for (int j = 0; j < 4; ++j) kr[j] = Kb + (sl[s + j < n ? s + j : s] * rs + kh * D) * es;
+                for (int64_t j = s + PF_KEYS; j < s + PF_KEYS + 4 && j < n; ++j)  /* rows are scattered */
+                    for (int64_t off = 0; off < D * es; off += 64) {
+                        _mm_prefetch((const char*)(Kb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
+                        _mm_prefetch((const char*)(Vb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
+                    }
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qg = qb + g * D;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int64_t d = 0; d < D; d += 8) {
+                        __m256 qv = _mm256_loadu_ps(qg + d);
+                        a0 = _mm256_fmadd_ps(qv, load_kv(kr[0], d, kt), a0);
+                        a1 = _mm256_fmadd_ps(qv, load_kv(kr[1], d, kt), a1);
+                        a2 = _mm256_fmadd_ps(qv, load_kv(kr[2], d, kt), a2);
+                        a3 = _mm256_fmadd_ps(qv, load_kv(kr[3], d, kt), a3);
+                    }
+                    float sc[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+                    for (int j = 0; j < 4 && s + j < n; ++j) p[g * n + s + j] = sc[j];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) softmax_row(p + g * n, n);
+            for (int64_t g = 0; g < G; ++g) {
+                const float* pg = p + g * n;
+                float* o = ob + g * D;
+                int64_t d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) {
+                    __m256 acc[8];
+                    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+                    for (int64_t s = 0; s < n; ++s) {
+                        const void* vr = Vb + (sl[s] * rs + kh * D + d0) * es;
+                        __m256 pv = _mm256_set1_ps(pg[s]);
+                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pv, load_kv(vr, 8 * r, kt), acc[r]);
+                    }
+                    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+                }
+                for (; d0 < D; d0 += 8) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t s = 0; s < n; ++s)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]),
+                                              load_kv(Vb + (sl[s] * rs + kh * D + d0) * es, 0, kt), acc);
+                    _mm256_storeu_ps(o + d0, acc);
+                }
+            }
+        }
+        free(p);
+    }
+}
+
+/* The MoE router of T rows: t = rms_norm(x) * rw; p = softmax(W t) over E experts; the k largest p
+   (first index on ties), renormalised to sum 1, times pes[expert] -> ids [T, k] int64, wts [T, k]. */
+void swa_router(const float* x, int64_t T, int64_t H, const float* rw, float eps, const float* W, int64_t E,
+                int64_t k, const float* pes, int64_t* ids, float* wts) {
+    float* t = (float*)malloc((size_t)H * sizeof(float));
+    float* p = (float*)malloc((size_t)E * sizeof(float));
+    for (int64_t r = 0; r < T; ++r) {
+        scale_row(x + r * H, rms_inv(x + r * H, H, eps), rw, t, H);
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) { p[e] = dot8(W + e * H, t, H); mx = p[e] > mx ? p[e] : mx; }
+        for (int64_t e = 0; e < E; ++e) { p[e] = expf(p[e] - mx); sum += p[e]; }
+        int64_t* id = ids + r * k;
+        float* w = wts + r * k;
+        float top = 0.f;
+        for (int64_t j = 0; j < k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            id[j] = best;
+            w[j] = p[best] / sum;
+            top += w[j];
+            p[best] = -1.f;  /* taken */
+        }
+        for (int64_t j = 0; j < k; ++j) w[j] = w[j] / top * pes[id[j]];
+    }
+    free(t); free(p);
+}

@@ -1,0 +1,109 @@
+"""The decoder layer's CPU glue in one native call each (native_ops.c, built into native.py's library).
+
+Each wrapper takes CPU fp32 contiguous tensors whose last dimension is a multiple of 8 (`fits` says
+whether a set of tensors qualifies; callers keep the torch ops otherwise). Numerics: fp32 like the torch
+code they replace, sums in another order (last-bit differences): models/gemma4.py uses them on the
+native CPU path only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swaserve.engine.quant import native
+
+
+def available() -> bool:
+    return native.available()
+
+
+def fits(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given is CPU fp32 contiguous with a last dimension a multiple of 8."""
+    for t in tensors:  # a plain loop: called a few times per layer on the decode path
+        if t is not None and (t.is_cuda or t.dtype != torch.float32 or t.shape[-1] % 8
+                              or not t.is_contiguous()):
+            return False
+    return True
+
+
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's KV element types
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., N] -> rms_norm(x) * w (w None: no weight), a new tensor."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    native.load().swa_rms_norm(x.data_ptr(), x.numel() // n, n, _ptr(w), eps, out.data_ptr(), None)
+    return out
+
+
+def rms_norm_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """res += rms_norm(x) * w, in place; returns res."""
+    n = x.shape[-1]
+    assert res.shape == x.shape, (res.shape, x.shape)
+    native.load().swa_rms_norm(x.data_ptr(), x.numel() // n, n, _ptr(w), eps, None, res.data_ptr())
+    return res
+
+
+def norm_rope_(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+               sin: torch.Tensor | None, half: int) -> torch.Tensor:
+    """In place on x [T, nh, D]: per-head rms_norm * w, then NeoX rope with cos/sin [T, n] on the pairs
+    (i, half + i), i < n (cos None: no rope). Returns x."""
+    t, nh, d = x.shape
+    n = 0 if cos is None else cos.shape[-1]
+    if cos is not None:
+        assert cos.shape == (t, n) and sin is not None and sin.shape == (t, n) and half + n <= d
+        cos, sin = cos.contiguous(), sin.contiguous()
+    native.load().swa_norm_rope(x.data_ptr(), t, nh, d, _ptr(w), eps, _ptr(cos), _ptr(sin), n, half)
+    return x
+
+
+def ffn_tail_(h: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              w: torch.Tensor, eps: float, scalar: float) -> torch.Tensor:
+    """h = (h + norm(norm(m1) * w1 + norm(m2) * w2) * w) * scalar in place ([M, N]; m1, m2 are
+    overwritten). Returns h."""
+    m, n = h.shape
+    assert m1.shape == m2.shape == h.shape
+    native.load().swa_ffn_tail(m1.data_ptr(), m2.data_ptr(), w1.data_ptr(), w2.data_ptr(), w.data_ptr(),
+                               eps, scalar, h.data_ptr(), m, n)
+    return h
+
+
+def router(x: torch.Tensor, rw: torch.Tensor, eps: float, w: torch.Tensor, k: int,
+           per_expert_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's router for x [T, H]: softmax(W @ (rms_norm(x) * rw)) over the E experts of w [E, H],
+    top-k (first index on ties), renormalised, times per_expert_scale [E] -> (ids [T, k] int64,
+    weights [T, k] fp32)."""
+    t, h = x.shape
+    e = w.shape[0]
+    assert w.shape == (e, h) and rw.shape == (h,) and per_expert_scale.shape == (e,) and 0 < k <= e
+    ids = torch.empty(t, k, dtype=torch.int64)
+    wts = torch.empty(t, k, dtype=torch.float32)
+    native.load().swa_router(x.data_ptr(), t, h, rw.data_ptr(), eps, w.data_ptr(), e, k,
+                             per_expert_scale.data_ptr(), ids.data_ptr(), wts.data_ptr())
+    return ids, wts
+
+
+def decode_attn(q: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                counts: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
+    """Decode attention into out[rows] (q, out [T, H, D]): row b attends to the pool slots
+    slots[b, :counts[b]] of K/V ([num_slots, KVH, D] fp32 / fp16 / bf16 views whose head and dim strides
+    are (D, 1), any slot stride: the pool's own layout, nothing gathered). Scale 1; fp32 math."""
+    _, h, d = q.shape
+    kvh = k.shape[1]
+    assert k.stride()[1:] == (d, 1) and v.stride() == k.stride() and h % kvh == 0, (k.stride(), v.stride())
+    assert rows.dtype == slots.dtype == counts.dtype == torch.int64 and slots.is_contiguous()
+    b, s = slots.shape
+    kt = _KV_TYPES[k.dtype]
+    native.load().swa_decode_attn(q.data_ptr(), rows.data_ptr(), b, h, kvh, d, k.data_ptr(), v.data_ptr(),
+                                  k.stride(0), kt, slots.data_ptr(), s, counts.data_ptr(), out.data_ptr(),
+                                  threads if threads is not None else torch.get_num_threads())
+
+
+def kv_dtype_ok(dtype: torch.dtype) -> bool:
+    """Whether decode_attn reads KV pools of this dtype."""
+    return dtype in _KV_TYPES
