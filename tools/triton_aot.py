@@ -74,7 +74,9 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         reduce = attention_kernels._decode_reduce_kernel
         out.append((f"attn reduce D{D}", reduce, att, dict(D=D, BLOCK_S=64), 4, 3))
     q = dict(x_ptr="*bf16", wb_ptr="*u8", wh_ptr="*fp16", y_ptr="*bf16", part_ptr="*fp32")
-    for fmt, qn in ((linear_kernels.FMT_Q4_0, "q4_0"), (linear_kernels.FMT_Q8_0, "q8_0")):
+    from swaserve.engine.quant.triton_blocks import FMT_Q4_0_PAIRS
+
+    for fmt, qn in ((FMT_Q4_0_PAIRS, "q4_0r"), (linear_kernels.FMT_Q4_0, "q4_0"), (linear_kernels.FMT_Q8_0, "q8_0")):
         for m in (1, 2, 4):
             bm, bn, bk = linear_kernels.gemv_blocks(m)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
@@ -107,6 +109,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         topw_ptr="*fp32",
     )
     moe_formats = (
+        (FMT_Q4_0_PAIRS, "q4_0r"),
         (linear_kernels.FMT_Q4_0, "q4_0"),
         (linear_kernels.FMT_Q8_0, "q8_0"),
         (linear_kernels.FMT_FLOAT, "bf16"),
@@ -179,16 +182,24 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
+def global_loads(ptx: str) -> tuple[int, int]:
+    """(vector, scalar) global load instructions in a kernel's PTX (`ld.global...v2/v4` vs the rest):
+    whether a weight tile is read with vector loads."""
+    loads = re.findall(r"ld\.global[\w.]*", ptx)
+    vec = sum(1 for ld in loads if ".v2" in ld or ".v4" in ld)
+    return vec, len(loads) - vec
+
+
 def required(name: str) -> bool:
     """Configurations that must compile without spills and within shared memory: everything the
-    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV, Q4_0/Q8_0/float weights, the fused
-    kernels). fp32 KV attention and the other block types' kernels are reported (WARN) only."""
+    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV, Q4_0 repacked (q4_0r) or in the file's layout
+    (offload), Q8_0/float weights, the fused kernels). fp32 KV attention and the other block types' kernels are reported (WARN) only."""
     if "kv fp32" in name:
         return False
     first = name.split()[0]
     if first in ("attn", "moe", "fused", "split-K"):
-        return not name.startswith("moe ") or any(f" {q} " in name for q in ("q4_0", "q8_0", "bf16"))
-    return first in ("q4_0", "q8_0")
+        return not name.startswith("moe ") or any(f" {q} " in name for q in ("q4_0r", "q4_0", "q8_0", "bf16"))
+    return first in ("q4_0r", "q4_0", "q8_0")
 
 
 def runtime_attrs(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> dict[tuple[int], list]:
@@ -234,6 +245,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
             continue
         shared = int(k.metadata.shared)
         regs, stack = _resource_usage(k.asm["cubin"])
+        vec, narrow = global_loads(k.asm["ptx"])
         over, spills = shared > limit, bool(stack)
         bad = over or spills
         warn = bad and not required(name)
@@ -241,7 +253,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
         note = ("  (over the shared-memory limit)" if over else "") + ("  (spills)" if spills else "")
         print(
             f"{'WARN' if warn else 'FAIL' if bad else 'ok  '} sm_{arch} {name:38s} shared {shared:>6d} B  "
-            f"regs {regs}  stack {stack} B{note}  [{time.monotonic() - t0:.1f}s]",
+            f"regs {regs}  stack {stack} B  loads v{vec}/{narrow}{note}  [{time.monotonic() - t0:.1f}s]",
             flush=True,
         )
     return failed

@@ -18,11 +18,12 @@ from swaserve.engine.config import ModelConfig
 from swaserve.engine.fused.moe_kernels import align_on_device
 from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.q4_repack import repack_weight
 from swaserve.engine.quant.triton_q4 import (
-    WEIGHT_FORMATS,
     check_triton_device,
     dot_f32,
-    load_w_tile,
+    load_w_tile_k,
+    weight_format,
     weight_views,
 )
 
@@ -54,8 +55,8 @@ def _gate_up_kernel(
             k_mask = offs_k < H
             x = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
                         mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            wg = load_w_tile(wb_ptr, wh_ptr, gate_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
-            wu = load_w_tile(wb_ptr, wh_ptr, up_off, offs_k, n_mask, k_mask, FMT)
+            wg = load_w_tile_k(wb_ptr, wh_ptr, gate_off, k0, H, H, n_mask, FMT, BLOCK_N, BLOCK_K)  # [BN, BK]
+            wu = load_w_tile_k(wb_ptr, wh_ptr, up_off, k0, H, H, n_mask, FMT, BLOCK_N, BLOCK_K)
             if DOT_F32:
                 xf = x.to(tl.float32)
                 acc_g += tl.dot(xf, tl.trans(wg), input_precision="ieee")
@@ -94,7 +95,7 @@ def _down_kernel(
             k_mask = offs_k < INTER
             a = tl.load(act_ptr + rows[:, None] * INTER + offs_k[None, :],
                         mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            w = load_w_tile(wb_ptr, wh_ptr, w_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+            w = load_w_tile_k(wb_ptr, wh_ptr, w_off, k0, INTER, INTER, n_mask, FMT, BLOCK_N, BLOCK_K)
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
@@ -149,8 +150,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: tuple[torch.Tensor, torch.Tensor, str],  # (bytes, fp16 view, qtype) of [E, 2I, H]
-    down: tuple[torch.Tensor, torch.Tensor, str],  # of [E, H, I]
+    gate_up: tuple[torch.Tensor, torch.Tensor, int],  # (bytes, fp16 view, kernel FMT) of [E, 2I, H]
+    down: tuple[torch.Tensor, torch.Tensor, int],  # of [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] expert index into the stacked weights
     topk_weights: torch.Tensor,  # [T, K]
     intermediate_size: int,  # I
@@ -179,26 +180,35 @@ def fused_moe(
     act = empty(tk, inter, dtype=x.dtype, device=x.device)  # [TK, I]
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, gb, gh, act, sorted_ids, block_e, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
-        FMT=WEIGHT_FORMATS[gq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        FMT=gq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
     out = empty(tk, H, dtype=torch.float32, device=x.device)  # [TK, H]
     _down_kernel[(nb, triton.cdiv(H, bn))](
         act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
-        FMT=WEIGHT_FORMATS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        FMT=dq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
     )
     if not summed:
         return out.view(T, K, H)
     return out.view(T, K, H).sum(1).to(out_dtype or x.dtype)
 
 
-def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(bytes, fp16 view, qtype) of a stacked expert weight [E, N, K] on `device`."""
-    if w.qtype not in WEIGHT_FORMATS:
-        raise ValueError(f"{w.name}: no triton MoE kernel for weight type {w.qtype!r}")
+def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(bytes, fp16 view, kernel FMT) of a stacked expert weight [E, N, K] on `device`."""
+    try:
+        fmt = weight_format(w.qtype, w.layout)
+    except KeyError:
+        raise ValueError(f"{w.name}: no triton MoE kernel for weight type {w.qtype!r}") from None
     data = w.data.to(device)
     b, h = weight_views(data, w.qtype)
     assert b.dim() == 3 and b.stride(-1) == 1, (w.name, b.shape, b.stride())
-    return b, h, w.qtype
+    return b, h, fmt
+
+
+def resident_experts(w: QWeight, device: torch.device) -> QWeight:
+    """A stacked expert weight on `device`, Q4_0 repacked there for the vector-load tile path."""
+    if w.data.device != device:
+        w = QWeight(w.qtype, w.shape, w.data.to(device), w.name, layout=w.layout)
+    return repack_weight(w)
 
 
 class TritonMoE(MoEBackend):
@@ -211,8 +221,10 @@ class TritonMoE(MoEBackend):
         check_triton_device(self.device, "the triton MoE backend")
         self.intermediate_size = cfg.moe_intermediate_size
         self.block_m = block_m  # rows per block of the sorted assignments (None: by batch size)
-        self.gate_up = [stacked_views(ew.gate_up, self.device) for ew in experts]  # [E, 2I, H] per layer
-        self.down = [stacked_views(ew.down, self.device) for ew in experts]  # [E, H, I] per layer
+        self.gate_up = [stacked_views(resident_experts(ew.gate_up, self.device), self.device)
+                        for ew in experts]  # [E, 2I, H] per layer
+        self.down = [stacked_views(resident_experts(ew.down, self.device), self.device)
+                     for ew in experts]  # [E, H, I] per layer
 
     def forward(
         self,
