@@ -53,7 +53,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         plse_ptr="*fp32",
     )
     for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
-        bm, bn, w, st = attention_kernels.prefill_block_sizes(D)
+        bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G)
         for kv in ("bf16", "fp16", "fp32"):
             t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
             for sliding in (True, False):

@@ -44,7 +44,7 @@ class _BatchInfo:
         self._prefill_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prefill_blocks(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(blk_seq, blk_start) [NB] int32: one program per BLOCK_M query rows of a prefill sequence."""
+        """(blk_seq, blk_start) [NB] int32: one program per `block_m` query tokens of a prefill sequence."""
         if block_m not in self._prefill_blocks:
             seq, start = [], []
             for b, q in self.prefill_seqs:
@@ -130,11 +130,12 @@ class TritonAttentionBackend(AttentionBackend):
         if out is None:
             out = empty(T, H, D, dtype=q.dtype, device=q.device)
         assert out.shape == q.shape and out.stride(2) == 1
-        if info.prefill_seqs:
-            bm, bn, warps, stages = kernels.prefill_block_sizes(D)
-            bm, bn = self.block_m or bm, self.block_n or bn
-            blk_seq, blk_start = info.prefill_blocks(bm)
-            kernels._prefill_kernel[(blk_seq.numel(), H)](
+        if info.prefill_seqs:  # packed GQA: a tile = BLOCK_M // G tokens x the G heads of one KV head
+            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G)
+            bm = kernels.prefill_rows(G, self.block_m) if self.block_m else bm
+            bn = self.block_n or bn
+            blk_seq, blk_start = info.prefill_blocks(bm // G)
+            kernels._prefill_kernel[(blk_seq.numel(), KVH)](
                 q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q_lens, info.prefix_lens, page_table,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
