@@ -76,7 +76,9 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
     q = dict(x_ptr="*bf16", wb_ptr="*u8", wh_ptr="*fp16", y_ptr="*bf16", part_ptr="*fp32")
     from swaserve.engine.quant.triton_blocks import FMT_Q4_0_PAIRS
 
-    for fmt, qn in ((FMT_Q4_0_PAIRS, "q4_0r"), (linear_kernels.FMT_Q4_0, "q4_0"), (linear_kernels.FMT_Q8_0, "q8_0")):
+    linear_formats = ((FMT_Q4_0_PAIRS, "q4_0r"), (linear_kernels.FMT_Q4_0, "q4_0"),
+                      (linear_kernels.FMT_Q8_0, "q8_0"))
+    for fmt, qn in linear_formats:
         for m in (1, 2, 4):
             bm, bn, bk = linear_kernels.gemv_blocks(m)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
@@ -105,6 +107,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         act_ptr="*bf16",
         sorted_ptr="*i32",
         block_e_ptr="*i32",
+        eoff_ptr="*i64",
         out_ptr="*fp32",
         topw_ptr="*fp32",
     )
@@ -118,9 +121,11 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == linear_kernels.FMT_FLOAT else mt
         for tk in ((8, 16384) if (fmt, qn) in moe_formats else (8,)):
             bm, bn, bk, w = moe_kernels.moe_blocks(tk, 128)
-            c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
-            out.append((f"moe gate_up {qn} BM{bm}", moe_kernels._gate_up_kernel, t, c, w, 3))
-            out.append((f"moe down {qn} BM{bm}", moe_kernels._down_kernel, t, c, w, 3))
+            for ind in ((False, True) if fmt == FMT_Q4_0_PAIRS else (False,)):
+                c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False, INDIRECT=ind)
+                tag = " offload" if ind else ""
+                out.append((f"moe gate_up {qn} BM{bm}{tag}", moe_kernels._gate_up_kernel, t, c, w, 3))
+                out.append((f"moe down {qn} BM{bm}{tag}", moe_kernels._down_kernel, t, c, w, 3))
     out += fused_configs()
     return out
 
@@ -192,8 +197,9 @@ def global_loads(ptx: str) -> tuple[int, int]:
 
 def required(name: str) -> bool:
     """Configurations that must compile without spills and within shared memory: everything the
-    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV, Q4_0 repacked (q4_0r) or in the file's layout
-    (offload), Q8_0/float weights, the fused kernels). fp32 KV attention and the other block types' kernels are reported (WARN) only."""
+    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV; Q4_0 repacked (q4_0r), or in the
+    file's layout (q4_0: the offload backend); Q8_0/float weights; the fused kernels). fp32 KV
+    attention and the other block types' kernels are reported (WARN) only."""
     if "kv fp32" in name:
         return False
     first = name.split()[0]

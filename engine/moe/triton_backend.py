@@ -30,11 +30,13 @@ from swaserve.engine.quant.triton_q4 import (
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, wb_ptr, wh_ptr, act_ptr, sorted_ptr, block_e_ptr,
+    x_ptr, wb_ptr, wh_ptr, act_ptr, sorted_ptr, block_e_ptr, eoff_ptr,
     num_assign, top_k, H, INTER, stride_xm, stride_we, stride_wn,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, INDIRECT: tl.constexpr,
 ):
+    # INDIRECT: expert e's weight starts at byte eoff[e] from wb_ptr (a device cache slot, or the
+    # expert in mapped host memory: engine/moe/offload_cache.py); else at e * stride_we
     # act: [T * K, I] in the activation dtype, row = assignment index t * K + k
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -45,7 +47,10 @@ def _gate_up_kernel(
         tok = (ids // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
-        base = e.to(tl.int64) * stride_we
+        if INDIRECT:
+            base = tl.load(eoff_ptr + e)
+        else:
+            base = e.to(tl.int64) * stride_we
         gate_off = base + offs_n.to(tl.int64) * stride_wn  # rows [0, I): gate
         up_off = base + (offs_n + INTER).to(tl.int64) * stride_wn  # rows [I, 2I): up
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -73,10 +78,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, wb_ptr, wh_ptr, out_ptr, topw_ptr, sorted_ptr, block_e_ptr,
+    act_ptr, wb_ptr, wh_ptr, out_ptr, topw_ptr, sorted_ptr, block_e_ptr, eoff_ptr,
     num_assign, H, INTER, stride_we, stride_wn,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, INDIRECT: tl.constexpr,
 ):
     # out: [T * K, H] fp32, row = assignment index, already scaled by its routing weight
     pid_m = tl.program_id(0)
@@ -88,7 +93,10 @@ def _down_kernel(
         rows = ids.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
-        w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
+        if INDIRECT:
+            w_off = tl.load(eoff_ptr + e) + offs_n.to(tl.int64) * stride_wn
+        else:
+            w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -158,11 +166,14 @@ def fused_moe(
     block_m: int | None = None,  # rows per block of the sorted assignments (None: by batch size)
     out_dtype: torch.dtype | None = None,  # None: x's dtype
     summed: bool = True,  # False: the weighted rows per assignment, [T, K, H] fp32 (a caller sums them)
+    expert_offsets: tuple[torch.Tensor, torch.Tensor] | None = None,  # int64 [E] byte offsets per expert
 ) -> torch.Tensor:  # [T, H] in out_dtype
-    """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights."""
+    """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights. With
+    `expert_offsets` (gate_up's, down's), expert e's weights start eoff[e] bytes from the stacks'
+    first bytes instead of at row e (the offload cache: a slot, or mapped host memory)."""
     T, H = x.shape
     K = topk_ids.shape[1]
-    E = gate_up[0].shape[0]
+    E = gate_up[0].shape[0] if expert_offsets is None else expert_offsets[0].shape[0]
     if T == 0:
         return torch.zeros_like(x, dtype=out_dtype or x.dtype) if summed else x.new_zeros(0, K, H).float()
     if x.stride(1) != 1:
@@ -177,15 +188,17 @@ def fused_moe(
     gb, gh, gq = gate_up
     db, dh, dq = down
     inter = intermediate_size
+    indirect = expert_offsets is not None
+    g_off, d_off = expert_offsets if indirect else (block_e, block_e)  # (unused pointers when direct)
     act = empty(tk, inter, dtype=x.dtype, device=x.device)  # [TK, I]
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, gb, gh, act, sorted_ids, block_e, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
-        FMT=gq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        x, gb, gh, act, sorted_ids, block_e, g_off, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
+        FMT=gq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, INDIRECT=indirect, num_warps=warps,
     )
     out = empty(tk, H, dtype=torch.float32, device=x.device)  # [TK, H]
     _down_kernel[(nb, triton.cdiv(H, bn))](
-        act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
-        FMT=dq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        act, db, dh, out, topw, sorted_ids, block_e, d_off, tk, H, inter, db.stride(0), db.stride(1),
+        FMT=dq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, INDIRECT=indirect, num_warps=warps,
     )
     if not summed:
         return out.view(T, K, H)
