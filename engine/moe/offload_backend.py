@@ -193,7 +193,8 @@ class OffloadMoE(MoEBackend):
         cache.before(layer)
         gu, dn = cache.slots
         y = self._fused_moe(x, self._stacked_views(gu, self.device), self._stacked_views(dn, self.device),
-                            topk_ids, topk_weights, self.intermediate_size, expert_offsets=cache.offsets(layer))
+                            topk_ids, topk_weights, self.intermediate_size,
+                            expert_offsets=cache.offsets(layer))
         cache.after(layer, topk_ids)
         return y
 

@@ -175,8 +175,10 @@ def _load_q4_0_pairs(wb_ptr, wh_ptr, row_off, k0, row_k, k_hi, n_mask,
     k_hi multiples of 32): one contiguous run of BK / 2 code bytes per row (16-byte-aligned rows:
     vector loads) and BK / 32 fp16 scales from the row's scale run at byte row_k / 2."""
     offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes of the tile in each row
+    # the K mask per 16-byte block (k0, k_hi multiples of 32): constant over a vector's bytes
+    p_ok = (offs_p // 16) * 32 < k_hi
     b = tl.load(wb_ptr + row_off[:, None] + offs_p[None, :],
-                mask=n_mask[:, None] & (offs_p * 2 < k_hi)[None, :], other=0)  # [BN, BK / 2] uint8
+                mask=n_mask[:, None] & p_ok[None, :], other=0)  # [BN, BK / 2] uint8
     lo = (b & 0xF).to(tl.int32) - 8  # element 2p
     hi = (b >> 4).to(tl.int32) - 8  # element 2p + 1
     q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float32)  # [BN, BK] in element order

@@ -87,7 +87,7 @@ class FakeSync:
         if hit is not None:  # a host -> slot copy: must be on the side stream, after a safe event
             j, slot = hit
             assert self.in_side and self.side_waited is not None, "slot copy not ordered by an event"
-            assert slot not in self.side_waited.referenced, f"slot {slot} overwritten while still in the table"
+            assert slot not in self.side_waited.referenced, f"slot {slot} overwritten while in the table"
             src_layer = next(li for li in range(LAYERS)
                              for w in ((self.cache.gate_up, self.cache.down)[j][li],)
                              if 0 <= src.data_ptr() - w.data.data_ptr() < w.data.nbytes)
@@ -103,7 +103,7 @@ class FakeSync:
         for j, e in (src != host).nonzero().tolist():
             slot = int(src[j, e]) // self.cache.slot_bytes[j]
             layer, expert, ev = self.slot_filled_by[slot]
-            assert (layer, expert) == (li, e), f"table points ({li}, {e}) at slot {slot} holding {layer, expert}"
+            assert (layer, expert) == (li, e), f"({li}, {e}) pointed at slot {slot} holding {layer, expert}"
             assert ev is not None and ev.done, f"({li}, {e}) published before its copy completed"
             self.checked["publishes"] += 1
         dst.copy_(src)
