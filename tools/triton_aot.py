@@ -30,8 +30,9 @@ if __package__ in (None, ""):
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}  # bytes per block (opt-in maximum)
 
 
-def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them."""
+def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them
+    on sm_<arch>."""
     from swaserve.engine.attention import triton_kernels as attention_kernels
     from swaserve.engine.moe import triton_backend as moe_kernels
     from swaserve.engine.quant import triton_q4 as linear_kernels
@@ -53,7 +54,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         plse_ptr="*fp32",
     )
     for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
-        bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G)
+        bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G, SHARED_LIMIT.get(arch, 99 * 1024))
         for kv in ("bf16", "fp16", "fp32"):
             t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
             for sliding in (True, False):
@@ -233,7 +234,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
 
     limit = SHARED_LIMIT.get(arch, 99 * 1024)
     failed = 0
-    for name, fn, types, consts, warps, stages in configs():
+    for name, fn, types, consts, warps, stages in configs(arch):
         if only and only not in name:
             continue
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}

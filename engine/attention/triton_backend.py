@@ -67,6 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n
         self._batch: _BatchInfo | None = None  # the last step's index tensors (reused by its layers)
         self._num_sms: dict[torch.device, int] = {}
+        self._smem: dict[torch.device, int | None] = {}
 
     def _batch_info(self, meta: AttentionMetadata, device: torch.device) -> _BatchInfo:
         key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
@@ -81,6 +82,15 @@ class TritonAttentionBackend(AttentionBackend):
                 n = torch.cuda.get_device_properties(device).multi_processor_count
             self._num_sms[device] = n
         return self._num_sms[device]
+
+    def _shared(self, device: torch.device) -> int | None:
+        """Shared memory per block of the device (opt-in maximum); None off CUDA."""
+        if device.type != "cuda":
+            return None
+        if device not in self._smem:
+            props = torch.cuda.get_device_properties(device)  # opt-in limit = per SM less 1 KB reserved
+            self._smem[device] = props.shared_memory_per_multiprocessor - 1024
+        return self._smem[device]
 
     def num_splits(self, eff_len: int, num_dec: int, kvh: int, device: torch.device) -> int:
         """Splits of the key range per decode sequence: enough programs to fill the GPU, >= 128 keys each."""
@@ -131,7 +141,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = empty(T, H, D, dtype=q.dtype, device=q.device)
         assert out.shape == q.shape and out.stride(2) == 1
         if info.prefill_seqs:  # packed GQA: a tile = BLOCK_M // G tokens x the G heads of one KV head
-            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G)
+            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G, self._shared(q.device))
             bm = kernels.prefill_rows(G, self.block_m) if self.block_m else bm
             bn = self.block_n or bn
             blk_seq, blk_start = info.prefill_blocks(bm // G)

@@ -198,11 +198,14 @@ def _decode_reduce_kernel(
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills
 # (python -m tools.triton_aot prints registers and stack per configuration).
-def prefill_block_sizes(head_dim: int, group: int = 1) -> tuple[int, int, int, int]:
+def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None = None
+                        ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x the group's G heads, BLOCK_N, num_warps, num_stages) for the
-    packed prefill kernel."""
+    packed prefill kernel; `shared_bytes`: the device's shared memory per block (None: sm_90's),
+    at D = 512 under 160 KB (sm_89: 99 KB) the row tile halves to fit (K and V tiles are 64 KB each)."""
     if head_dim >= 512:
-        bm, bn, warps, stages = 32, 64, 8, 1
+        small = shared_bytes is not None and shared_bytes < 160 * 1024
+        bm, bn, warps, stages = (16 if small else 32), 64, 8, 1
     elif head_dim >= 256:
         bm, bn, warps, stages = 64, 64, 8, 1
     else:
