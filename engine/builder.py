@@ -25,6 +25,7 @@ import torch
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
@@ -174,6 +175,11 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         for t in pool.tensors():
             t.fill_(0)
     log.info("KV memory: %s", plan.describe(P, model_cfg))
+    runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device)
+    if not cfg.no_cuda_graphs and graphs_supported(bundle.model):  # CUDA: capture at start, not mid-serving
+        runner.graphs = DecodeGraphs(bundle.model, pool, P, model_cfg.sliding_window, device,
+                                     sched_cfg.max_running_requests, _cdiv(context, P) + 1, capture=True)
+        runner.graphs.capture_all()
     arena = Arena(plan.num_blocks, plan.full_per_block, swa_cap=plan.swa_cap, block_bytes=plan.block_bytes)
     cache = build_cache(cache_cfg, model_cfg.sliding_window, arena.full, arena.swa)
     kv = KVManager(cache, arena.full, arena.swa, P, model_cfg.sliding_window)
@@ -192,5 +198,5 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         swa_alloc=arena.swa,
         cache=cache,
         scheduler=Scheduler(sched_cfg, kv, context),
-        runner=ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device),
+        runner=runner,
     )

@@ -160,6 +160,10 @@ class EngineConfig:
         "native", "--cpu-matmul",
         help="CPU Q4_0 linears of fp32 activations: native (default: Q4_0 x Q8_0 integer kernel, "
              "llama.cpp's numerics), exact (dequantize + fp32 matmul) or fast (bf16 int4 kernel)")
+    no_cuda_graphs: bool = option(
+        False, "--no-cuda-graphs",
+        help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "
+             "bucket (engine/cuda_graphs.py; graphs are on by default with the triton backends)")
     # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
     # read when the config (or the flag parser) is built
     debug_checks: bool = option(

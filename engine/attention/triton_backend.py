@@ -68,6 +68,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._batch: _BatchInfo | None = None  # the last step's index tensors (reused by its layers)
         self._num_sms: dict[torch.device, int] = {}
         self._smem: dict[torch.device, int | None] = {}
+        # True while CUDA graphs are captured: the decode split count follows the GPU's occupancy only,
+        # not the context length (a graph replays with whatever lengths the static buffers hold)
+        self.length_free_splits = False
 
     def _batch_info(self, meta: AttentionMetadata, device: torch.device) -> _BatchInfo:
         key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
@@ -96,7 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Splits of the key range per decode sequence: enough programs to fill the GPU, >= 128 keys each."""
         if self.decode_splits is not None:
             return max(1, self.decode_splits)
-        by_len = triton.cdiv(max(eff_len, 1), 128)
+        by_len = 64 if self.length_free_splits else triton.cdiv(max(eff_len, 1), 128)
         by_occupancy = triton.cdiv(2 * self._sms(device), max(num_dec * kvh, 1))
         return max(1, min(by_len, by_occupancy, 64))
 
