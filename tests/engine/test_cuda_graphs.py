@@ -39,7 +39,7 @@ def test_static_buffers_give_the_plain_tokens(max_batch: int) -> None:
     params = [SamplingParams(max_tokens=6, temperature=0.0),
               SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=5),
               SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)]
-    kw = dict(attention_backend="torch", moe_backend="torch", cpu_matmul="exact")
+    kw = dict(attention_backend="torch", moe_backend="torch", cpu_matmul="exact", device="cpu")
     want = _run(LLM(**kw), params)
     llm = LLM(**kw)
     graphs = _attach(llm, max_batch)
@@ -57,7 +57,7 @@ def test_static_buffers_on_the_fused_triton_path() -> None:
 
     params = [SamplingParams(max_tokens=3, temperature=0.0)] * 3
     kw = dict(attention_backend="triton", moe_backend="triton", cpu_matmul="exact")
-    ref = LLM(attention_backend="torch", moe_backend="torch", cpu_matmul="exact")
+    ref = LLM(attention_backend="torch", moe_backend="torch", cpu_matmul="exact", device="cpu")
     want = _run(ref, params)
     llm = LLM(**kw)
     _attach(llm, 4)
@@ -67,7 +67,7 @@ def test_static_buffers_on_the_fused_triton_path() -> None:
 
 
 def test_graphs_only_where_a_step_can_be_captured() -> None:
-    llm = LLM(attention_backend="torch", moe_backend="torch", cpu_matmul="exact")
+    llm = LLM(attention_backend="torch", moe_backend="torch", cpu_matmul="exact", device="cpu")
     assert not graphs_supported(llm.engine.runner.model)  # a CPU model
     assert llm.engine.runner.graphs is None
 

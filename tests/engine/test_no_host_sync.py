@@ -157,17 +157,24 @@ def test_offload_cache_path_keeps_router_ids_on_the_device():
     router ids; the only host reads are of the used-expert bitmaps already copied to host memory
     (`_host_list`, after their event completed: no wait)."""
     from swaserve.engine.moe.offload_backend import OffloadMoE
-    from tests.engine.moe.moe_cases import make_cfg, make_layers, routing
+    from tests.engine.moe.moe_cases import (
+        OFFLOAD_DEV,
+        OFFLOAD_EMULATE,
+        make_cfg,
+        make_layers,
+        on_offload_dev,
+        routing,
+    )
 
     g = torch.Generator().manual_seed(0)
     layers = make_layers(g, "Q4_0", 2, 8, 64, 32)
-    moe = OffloadMoE(make_cfg(8, 2, 64, 32, num_layers=2), layers, "cpu", cache_size=3,
-                     emulate_device=True, stream_min_tokens=8)
+    moe = OffloadMoE(make_cfg(8, 2, 64, 32, num_layers=2), layers, OFFLOAD_DEV, cache_size=3,
+                     emulate_device=OFFLOAD_EMULATE, stream_min_tokens=8)
     with forbid_host_sync(allow=("_host_list",)) as seen:
         for _ in range(3):
             x = torch.randn(2, 64, generator=g)
             ids, w = routing(g, 2, 8, 2)
             for li in range(2):
-                moe.forward(li, x, ids, w)
+                moe.forward(li, *on_offload_dev(x, ids, w))
     assert moe.stats["cache"] == 6 and moe.stats["expert_copies"] > 0
     assert set(seen) == {"allowed _host_list"}

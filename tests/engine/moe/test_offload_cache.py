@@ -17,7 +17,16 @@ import torch
 
 from swaserve.engine.moe.offload_backend import OffloadMoE
 from swaserve.engine.moe.torch_backend import TorchMoE
-from tests.engine.moe.moe_cases import make_cfg, make_layers, new_seed, rel_err, routing
+from tests.engine.moe.moe_cases import (
+    OFFLOAD_DEV,
+    OFFLOAD_EMULATE,
+    make_cfg,
+    make_layers,
+    new_seed,
+    on_offload_dev,
+    rel_err,
+    routing,
+)
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py must set TRITON_INTERPRET=1"
@@ -33,7 +42,7 @@ class Ev:
 class FakeSync:
     """Sync's interface; copies land at once (so the data is right), ordering is checked instead."""
 
-    device = torch.device("cpu")
+    device = torch.device(OFFLOAD_DEV)
     cuda = False
     side = None
 
@@ -121,7 +130,8 @@ def test_cache_ordering_with_held_back_events() -> None:
     layers = make_layers(g, "Q4_0", LAYERS, E, HID, INTER)
     cfg = make_cfg(E, K, HID, INTER, num_layers=LAYERS)
     ref = TorchMoE(cfg, layers, "cpu")
-    moe = OffloadMoE(cfg, layers, "cpu", cache_size=3, emulate_device=True, stream_min_tokens=8)
+    moe = OffloadMoE(cfg, layers, OFFLOAD_DEV, cache_size=3, emulate_device=OFFLOAD_EMULATE,
+                     stream_min_tokens=8)
     fake = FakeSync()
     fake.cache = moe._cache
     moe._cache.sync = fake
@@ -130,7 +140,7 @@ def test_cache_ordering_with_held_back_events() -> None:
         x = torch.randn(t, HID, generator=g)
         ids, w = routing(g, t, E, K)
         for li in range(LAYERS):
-            y = moe.forward(li, x, ids, w)
+            y = moe.forward(li, *on_offload_dev(x, ids, w))
             assert rel_err(y, ref.forward(li, x, ids, w).double()) <= 1e-4, f"step {step} seed {seed}"
         fake.release(rng, 0.5)  # about half of the device's work "completes" between steps
     assert fake.checked["copies"] > 3 and fake.checked["publishes"] > 0, fake.checked
