@@ -189,10 +189,11 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 
 
 def global_loads(ptx: str) -> tuple[int, int]:
-    """(vector, scalar) global load instructions in a kernel's PTX (`ld.global...v2/v4` vs the rest):
+    """(vector, scalar) global load instructions in a kernel's PTX: `ld.global...v2/v4` and the
+    asynchronous copies to shared memory (`cp.async`, 4-16 bytes each) vs the other `ld.global`:
     whether a weight tile is read with vector loads."""
-    loads = re.findall(r"ld\.global[\w.]*", ptx)
-    vec = sum(1 for ld in loads if ".v2" in ld or ".v4" in ld)
+    loads = re.findall(r"ld\.global[\w.]*|cp\.async\.\w+\.shared\.global", ptx)
+    vec = sum(1 for ld in loads if ".v2" in ld or ".v4" in ld or ld.startswith("cp.async"))
     return vec, len(loads) - vec
 
 

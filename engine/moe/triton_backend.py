@@ -47,8 +47,8 @@ def _gate_up_kernel(
         tok = (ids // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
-        if INDIRECT:
-            base = tl.load(eoff_ptr + e)
+        if INDIRECT:  # offsets are multiples of 16 (16-byte rows, 64-byte host slices): vector loads stay
+            base = tl.multiple_of(tl.load(eoff_ptr + e), 16)
         else:
             base = e.to(tl.int64) * stride_we
         gate_off = base + offs_n.to(tl.int64) * stride_wn  # rows [0, I): gate
@@ -94,7 +94,7 @@ def _down_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         if INDIRECT:
-            w_off = tl.load(eoff_ptr + e) + offs_n.to(tl.int64) * stride_wn
+            w_off = tl.multiple_of(tl.load(eoff_ptr + e), 16) + offs_n.to(tl.int64) * stride_wn
         else:
             w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
