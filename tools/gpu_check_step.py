@@ -66,10 +66,11 @@ def check_decode_step(c: Ctx, S, B: int) -> list[Row]:
     def step():
         return model.logits(model.forward(ids, meta, pool))
 
-    step()  # compile
     sync = torch.cuda.synchronize if c.cuda else (lambda: None)
-    sync()
-    n = 3 if c.quick else 10
+    if c.cuda:
+        step()  # compile
+        sync()
+    n = (3 if c.quick else 10) if c.cuda else 1  # CPU smoke: the interpreter is slow
     t0 = time.perf_counter()
     for _ in range(n):
         step()
@@ -78,17 +79,18 @@ def check_decode_step(c: Ctx, S, B: int) -> list[Row]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.cuda else [])
+    reps = 2 if c.cuda else 1
     with profile(activities=acts) as prof:
-        for _ in range(2):
+        for _ in range(reps):
             step()
         sync()
     if c.cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.device_time for e in kernels) / 1e3 / 2  # ms per step
-        launches = len(kernels) / 2
+        busy = sum(e.device_time for e in kernels) / 1e3 / reps  # ms per step
+        launches = len(kernels) / reps
         note = f"GPU-busy {busy:.3f} ms, {launches:.0f} kernels/step"
     else:
-        note = f"{len(prof.events()) / 2:.0f} profiler events/step (CPU: no GPU-busy time)"
+        note = f"{len(prof.events()) / reps:.0f} profiler events/step (CPU: no GPU-busy time)"
     graph_ms = None
     if c.cuda:  # the same step replayed as one CUDA graph (engine/cuda_graphs.py does this per bucket)
         attn = model.attn
