@@ -150,6 +150,7 @@ class DecodeGraphs:
         """One warm-up step and one capture per bucket (largest first, sharing one memory pool). The
         dummy rows write position 0 of page 0: no request holds pages yet."""
         attn = self.model.attn
+        before = torch.cuda.memory_reserved(self.device)
         old = getattr(attn, "length_free_splits", None)
         if old is not None:
             attn.length_free_splits = True  # a graph needs a split count independent of the context
@@ -169,4 +170,7 @@ class DecodeGraphs:
             if old is not None:
                 attn.length_free_splits = old
         torch.cuda.synchronize(self.device)
-        log.info("captured CUDA graphs of the decode step for batch buckets %s", self.buckets)
+        # the graphs' memory pool comes on top of the KV pools sized before it (not budgeted there:
+        # the peak-step reservation is what it may take from; to be measured on a GPU)
+        log.info("captured CUDA graphs of the decode step for batch buckets %s (%.0f MiB more reserved)",
+                 self.buckets, (torch.cuda.memory_reserved(self.device) - before) / 2**20)
