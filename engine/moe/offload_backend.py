@@ -16,6 +16,7 @@ interpreter); streams and events are then no-ops.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.moe.offload_cache import DeviceExpertCache, Sync
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import expert_slice, linear
-from swaserve.engine.quant.q4_repack import repack_weight
+from swaserve.engine.quant.q4_repack import repack_weight, repacked_row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +61,29 @@ def host_buffer(weights: list[QWeight], pin: bool, repack: bool = False
     rounds every block up to a power of two (~22.5 GiB pinned for 12 GiB of experts); kernels can
     read it directly (the cache path's zero-copy misses). Registration failure is logged; the copies
     are then pageable (synchronous) and the cache path is off."""
-    if repack:
-        weights = [repack_weight(w) for w in weights]
-    sizes = [w.data.numel() * w.data.element_size() for w in weights]
+    def packs(w: QWeight) -> bool:
+        return repack and w.qtype == "Q4_0" and w.shape[-1] % 32 == 0 and not w.layout
+
+    def stored_shape(w: QWeight) -> tuple[int, ...]:  # of the bytes kept in the buffer
+        return (*w.data.shape[:-1], repacked_row_bytes(w.shape[-1])) if packs(w) else tuple(w.data.shape)
+
+    sizes = [math.prod(stored_shape(w)) * w.data.element_size() for w in weights]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // HOST_ALIGN) * HOST_ALIGN
     buf = torch.empty(total, dtype=torch.uint8)
     out = []
-    for w, off, n in zip(weights, offsets, sizes):
-        view = buf[off:off + n].view(w.data.dtype).view(w.data.shape)
-        view.copy_(w.data)
-        out.append(QWeight(w.qtype, w.shape, view, w.name, layout=w.layout))
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="copying offloaded experts to one host buffer",
+              disable=None, leave=False) as bar:  # a bar on a terminal only
+        for w, off, n in zip(weights, offsets, sizes):
+            src = repack_weight(w) if packs(w) else w  # one weight's repacked copy at a time
+            view = buf[off:off + n].view(src.data.dtype).view(src.data.shape)
+            view.copy_(src.data)
+            out.append(QWeight(src.qtype, src.shape, view, src.name, layout=src.layout))
+            bar.update(n)
     registered = False
     if pin and total:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), total, HOST_REGISTER_MAPPED)
