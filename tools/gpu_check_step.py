@@ -191,14 +191,15 @@ def check_kernel_resources(c: Ctx, S) -> list[Row]:
             if not isinstance(fn, triton.runtime.jit.JITFunction):
                 continue
             for caches in getattr(fn, "device_caches", {}).values():
-                for k in caches[0].values():
+                for key, k in caches[0].items():
                     init = getattr(k, "_init_handles", None)
                     if init is not None:
                         init()
                     regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
-                    consts = {n: v for n, v in getattr(k, "constants", {}).items() if not isinstance(v, bool)}
-                    rows.append(Row(f"kernel {name}", str(consts)[:60], "ok" if not spills else "FAIL",
-                                    note=f"regs {regs}, spills {spills}, shared {k.metadata.shared} B"))
+                    md = k.metadata
+                    shape = f"warps {md.num_warps} stages {md.num_stages}"
+                    note = f"regs {regs}, spills {spills}, shared {md.shared} B; {str(key)[:160]}"
+                    rows.append(Row(f"kernel {name}", shape, "ok" if not spills else "FAIL", note=note))
     if not rows:
         rows.append(Row("kernel resources", "", "info", note="no compiled kernels (Triton interpreter)"))
     return rows
