@@ -26,6 +26,7 @@ from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fing
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported, measure_graph_memory
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier import KVTier
 from swaserve.engine.model_api import ModelBundle
@@ -183,6 +184,12 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     template_source = bundle.metadata.get("tokenizer.chat_template")
     chat_template = ChatTemplate(template_source, tokenizer) if template_source else None
     context = sched_cfg.context_length or model_cfg.context_length
+    graphs_on = not cfg.no_cuda_graphs and graphs_supported(bundle.model)
+    graph_hold = None
+    if graphs_on:  # the graphs' private memory pool (allocated after the KV pools) stays out of their budget
+        graph_bytes = measure_graph_memory(bundle, cfg)
+        torch.cuda.empty_cache()
+        graph_hold = torch.empty(graph_bytes, dtype=torch.uint8, device=device)  # a fresh block, held
     reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
     plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
     P = cache_cfg.page_size
@@ -196,6 +203,14 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         for t in pool.tensors():
             t.fill_(0)
     log.info("KV memory: %s", plan.describe(P, model_cfg))
+    runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device)
+    if graphs_on:  # CUDA: capture at start, not mid-serving
+        del graph_hold
+        torch.cuda.empty_cache()  # the held bytes (and the peak-step reservation) back to the driver: the
+        # pools are sized without them, so the graphs' pool and the eager peak step both fit
+        runner.graphs = DecodeGraphs(bundle.model, pool, P, model_cfg.sliding_window, device,
+                                     sched_cfg.max_running_requests, _cdiv(context, P) + 1, capture=True)
+        runner.graphs.capture_all()
     arena = Arena(plan.num_blocks, plan.full_per_block, swa_cap=plan.swa_cap, block_bytes=plan.block_bytes)
     cache = build_cache(cache_cfg, model_cfg.sliding_window, arena.full, arena.swa)
     if cache_cfg.kv_offload_dir is not None:
@@ -218,5 +233,5 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         swa_alloc=arena.swa,
         cache=cache,
         scheduler=Scheduler(sched_cfg, kv, context),
-        runner=ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device),
+        runner=runner,
     )

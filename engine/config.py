@@ -172,6 +172,10 @@ class EngineConfig:
         help="CPU quantized linears of fp32 activations: native (default: integer kernels with 8-bit "
              "activations, llama.cpp's numerics; the IQ1-3 codebook types stay exact), exact (dequantize + "
              "fp32 matmul) or fast (bf16 int4 kernel, Q4_0)")
+    no_cuda_graphs: bool = option(
+        False, "--no-cuda-graphs",
+        help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "
+             "bucket (engine/cuda_graphs.py; graphs are on by default with the triton backends)")
     # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
     # read when the config (or the flag parser) is built
     debug_checks: bool = option(

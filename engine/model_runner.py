@@ -7,6 +7,7 @@ import torch
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.core import Batch, Req, TokenLogprob
+from swaserve.engine.cuda_graphs import DecodeGraphs
 from swaserve.engine.grammar import GrammarBackend, GrammarState
 from swaserve.engine.model_api import CausalLM
 from swaserve.engine.sampling import SampleRow, make_generator, sample_isolated
@@ -68,20 +69,27 @@ class ModelRunner:
         # requests whose own data failed the last execute (their grammar, their sampling row): the engine
         # fails them alone; their token in the result is meaningless
         self.failed: dict[Req, Exception] = {}
+        # decode steps through static buffers / CUDA graphs per batch bucket (engine/cuda_graphs.py);
+        # set by the engine builder on CUDA, None = every step eager
+        self.graphs: DecodeGraphs | None = None
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         self.failed = {}
-        meta = build_metadata(batch, self.page_size, self.window, self.device)
-        ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
-        hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
-        cu = meta.cu_q_lens
         sel = [b for b, s in enumerate(batch.sample) if s]
         tokens: list[int | None] = [None] * len(batch.reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(batch.reqs)
-        if not sel:
-            return tokens, logprobs
-        rows_idx = to_device([cu[b + 1] - 1 for b in sel], torch.int64, hidden.device)  # [S]
-        logits = self.model.logits(hidden[rows_idx])  # [S, V] fp32
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        if bucket is not None:  # decode-only: every row samples
+            logits = self.graphs.run(batch, bucket)  # [B, V] fp32
+        else:
+            meta = build_metadata(batch, self.page_size, self.window, self.device)
+            ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
+            hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
+            cu = meta.cu_q_lens
+            if not sel:
+                return tokens, logprobs
+            rows_idx = to_device([cu[b + 1] - 1 for b in sel], torch.int64, hidden.device)  # [S]
+            logits = self.model.logits(hidden[rows_idx])  # [S, V] fp32
         rows = []
         grammar_rows: list[int] = []
         states: list[GrammarState] = []

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from swaserve.engine.core import SamplingParams, TokenLogprob
+from swaserve.engine.staging import to_device
 
 _NEG_INF = float("-inf")
 
@@ -58,18 +59,18 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
             seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
             ids = list(r.prompt_ids) + list(r.output_ids)
             if ids:
-                seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+                seen[to_device(ids, torch.long, logits.device)] = True
             row = logits[i]
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             logits[i] = torch.where(seen, pen, row)
         if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(r.output_ids) > 0:
             counts = torch.zeros(V, dtype=logits.dtype, device=logits.device)
-            ids_t = torch.tensor(list(r.output_ids), dtype=torch.long, device=logits.device)
+            ids_t = to_device(list(r.output_ids), torch.long, logits.device)
             counts.scatter_add_(0, ids_t, torch.ones_like(ids_t, dtype=logits.dtype))  # [V]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if p.logit_bias:
-            idx = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-            val = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            idx = to_device([t for t, _ in p.logit_bias], torch.long, logits.device)
+            val = to_device([b for _, b in p.logit_bias], logits.dtype, logits.device)
             logits[i].index_add_(0, idx, val)
     return logits
 
@@ -89,7 +90,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str
         bits = np.unpackbits(words.view(np.uint8), axis=1, count=n, bitorder="little")  # [R, n] uint8
         out = torch.from_numpy(bits).view(torch.bool)
     else:
-        words = bitmask.to(device, non_blocking=True)
+        words = bitmask.pin_memory().to(device, non_blocking=True)  # staged: no wait for the device
         out = unpack_bitmask_torch(~words if invert else words, n)
     if n < vocab:
         out = torch.cat([out, out.new_full((R, vocab - n), invert)], dim=1)
@@ -114,15 +115,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torc
         logits[r].masked_fill_(banned[j], _NEG_INF)
 
 
-def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def top_k_mask(logits: torch.Tensor, k: torch.Tensor, kmax: int | None = None) -> torch.Tensor:
     """logits [B, V], k [B] int64 (<= 0 or >= V = off) -> logits with everything below the k-th
-    largest set to -inf (ties with the k-th value are kept)."""
+    largest set to -inf (ties with the k-th value are kept). `kmax`: the largest k that is on, known
+    on the host (None: read back from k, a host sync)."""
     V = logits.shape[1]
     on = (k > 0) & (k < V)  # [B]
-    if not bool(on.any()):
-        return logits
+    if kmax is None:
+        if not bool(on.any()):
+            return logits
+        kmax = int(torch.where(on, k, torch.ones_like(k)).max())
     kk = torch.where(on, k, torch.ones_like(k))  # [B]
-    top = torch.topk(logits, int(kk.max()), dim=-1).values  # [B, kmax] descending
+    top = torch.topk(logits, kmax, dim=-1).values  # [B, kmax] descending
     kth = top.gather(1, (kk - 1).unsqueeze(1))  # [B, 1]
     kth = torch.where(on.unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
     return logits.masked_fill(logits < kth, _NEG_INF)
@@ -149,7 +153,9 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _draw(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
     """Inverse-CDF draw; one uniform per row from that row's generator. probs [B, V] -> [B]."""
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])  # [B]
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])  # [B] on the host
+    if probs.is_cuda:
+        u = u.pin_memory().to(probs.device, non_blocking=True)  # staged: no wait for the device
     cdf = torch.cumsum(probs, dim=-1)  # [B, V]
     target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)  # [B, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
@@ -168,11 +174,12 @@ def _filters(z: torch.Tensor, sp: Sequence[SamplingParams]) -> torch.Tensor:
     N = z.shape[1]
     dev = z.device
     if any(0 < p.top_k < N for p in sp):
-        z = top_k_mask(z, torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev))
+        kmax = max(p.top_k for p in sp if 0 < p.top_k < N)
+        z = top_k_mask(z, to_device([p.top_k for p in sp], torch.long, dev), kmax)
     if any(p.top_p < 1.0 for p in sp):
-        z = top_p_mask(z, torch.tensor([p.top_p for p in sp], dtype=z.dtype, device=dev))
+        z = top_p_mask(z, to_device([p.top_p for p in sp], z.dtype, dev))
     if any(p.min_p > 0.0 for p in sp):
-        z = min_p_mask(z, torch.tensor([p.min_p for p in sp], dtype=z.dtype, device=dev))
+        z = min_p_mask(z, to_device([p.min_p for p in sp], z.dtype, dev))
     return z
 
 
@@ -182,53 +189,63 @@ def _sample_full(z: torch.Tensor, sp: Sequence[SamplingParams],
 
 
 def _sample_candidates(z: torch.Tensor, sp: Sequence[SamplingParams], kmax: int,
-                       gens: Sequence[torch.Generator]) -> torch.Tensor | None:
+                       gens: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """The same draw as `_sample_full` when every row has 0 < top_k <= kmax: tokens outside a row's top
     k get probability 0 there, so only the kmax largest logits of each row can be drawn. They are put
     back in ascending token order (so the stable sort of top-p breaks ties by token id and the inverse
     CDF accumulates in token order, as over the whole vocabulary), filtered, and drawn from.
-    None (nothing drawn, no generator advanced) when a row's smallest candidate is tied with tokens
-    left out: top-k keeps every tie of the k-th value, so the candidates would not be all of them."""
+    Returns (tokens [S], tie [S] bool): tie marks a row whose smallest candidate is tied with tokens
+    left out (top-k keeps every tie of the k-th value, so the candidates were not all of them); the
+    caller reads the flags back with the tokens and redraws over the whole vocabulary if any is set."""
     vals, ids = torch.topk(z, kmax + 1, dim=-1)  # [S, kmax + 1] (kmax < V): the last is the first left out
     last, out = vals[:, kmax - 1], vals[:, kmax]  # [S]
-    if bool(((last == out) & torch.isfinite(last)).any()):  # -inf ties have probability 0 anyway
-        return None
+    tie = (last == out) & torch.isfinite(last)  # -inf ties have probability 0 anyway
     vals, ids = vals[:, :kmax], ids[:, :kmax]
     ids, order = torch.sort(ids, dim=-1)  # [S, kmax] ascending token ids
     vals = vals.gather(1, order)
     probs = torch.softmax(_filters(vals, sp), dim=-1)  # [S, kmax]
     pick = _draw(probs, gens)  # [S] positions among the candidates
-    return ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return ids.gather(1, pick.unsqueeze(1)).squeeze(1), tie
+
+
+def _read_back(t: torch.Tensor) -> list[list[float]]:
+    """The step's one device -> host read: every result of the sampler packed in one float64 tensor
+    (token ids < 2^53 are exact)."""
+    return t.tolist()
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequence[int] = (),
            bitmask: torch.Tensor | None = None) -> SampleResult:
     """Sample one token per row of logits [B, V] (fp32, not modified). Rows `grammar_rows` are
-    constrained by bitmask [len(grammar_rows), ceil(V / 32)] (engine/grammar.py)."""
+    constrained by bitmask [len(grammar_rows), ceil(V / 32)] (engine/grammar.py).
+
+    Nothing waits for the device but one read-back of the results (tokens, and logprobs when asked
+    for): per-row parameters are staged through pinned memory, counts known on the host stay there."""
     B, V = logits.shape
     assert B == len(rows)
     dev = logits.device
-    want_lp = [r.params.logprobs is not None for r in rows]
+    lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logp = None
-    if any(want_lp):
-        raw_logp = torch.log_softmax(logits[torch.tensor(want_lp, device=dev)], dim=-1)  # [L, V]
+    if lp_rows:
+        raw_logp = torch.log_softmax(logits.index_select(0, to_device(lp_rows, torch.long, dev)), dim=-1)
 
     x = logits.clone()
     if bitmask is not None and grammar_rows:
         apply_token_bitmask(x, grammar_rows, bitmask)
     for i, r in enumerate(rows):
         if r.banned_ids:
-            x[i, torch.tensor(list(r.banned_ids), dtype=torch.long, device=dev)] = _NEG_INF
+            x[i, to_device(list(r.banned_ids), torch.long, dev)] = _NEG_INF
     if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
            or r.params.presence_penalty != 0.0 or r.params.logit_bias for r in rows):
         apply_penalties(x, rows)
 
     out = x.argmax(dim=-1)  # [B] greedy for every row; sampled rows are replaced below
+    tie = None
     samp = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if samp:
-        idx = torch.tensor(samp, dtype=torch.long, device=dev)
+        idx = to_device(samp, torch.long, dev)
         sp = [rows[i].params for i in samp]
-        temp = torch.tensor([p.temperature for p in sp], dtype=x.dtype, device=dev)  # [S]
+        temp = to_device([p.temperature for p in sp], x.dtype, dev)  # [S]
         z = x[idx] / temp.unsqueeze(1)  # [S, V]
         gens = []
         for i in samp:
@@ -236,26 +253,45 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammar_rows: Sequen
             assert g is not None, "a sampled row needs a generator"
             gens.append(g)
         kmax = max(p.top_k for p in sp)
-        picked = None
         if all(0 < p.top_k < V for p in sp) and kmax <= CANDIDATE_LIMIT:
-            picked = _sample_candidates(z, sp, kmax, gens)
-        out[idx] = picked if picked is not None else _sample_full(z, sp, gens)
+            states = [g.get_state() for g in gens]
+            picked, tie = _sample_candidates(z, sp, kmax, gens)
+        else:
+            picked = _sample_full(z, sp, gens)
+        out[idx] = picked
 
-    token_ids = out.tolist()
+    kmax_lp = max((rows[i].params.logprobs or 0 for i in lp_rows), default=0)
+    while True:
+        cols = [out.to(torch.float64).unsqueeze(1)]  # [B, 1]
+        c0 = 1 if tie is None else 2  # first logprob column
+        if tie is not None:
+            cols.append(tie.any().to(torch.float64).expand(B, 1))
+        if raw_logp is not None:
+            lp = torch.zeros(B, 1 + 2 * kmax_lp, dtype=torch.float64, device=dev)
+            lp_idx = to_device(lp_rows, torch.long, dev)
+            chosen = raw_logp.gather(1, out[lp_idx].unsqueeze(1))  # [L, 1]
+            part = [chosen.double()]
+            if kmax_lp > 0:
+                top_v, top_i = torch.topk(raw_logp, min(kmax_lp, V), dim=-1)  # [L, k]
+                part += [top_v.double(), top_i.double()]
+            lp[lp_idx, : sum(t.shape[1] for t in part)] = torch.cat(part, dim=1)
+            cols.append(lp)
+        host = _read_back(torch.cat(cols, dim=1))  # [B, 1 (+ 1) (+ 1 + 2k)]
+        if tie is None or not host[0][1]:
+            break
+        for g, st in zip(gens, states):  # a candidate set missed tied tokens: redraw over the vocabulary
+            g.set_state(st)
+        out[idx] = _sample_full(z, sp, gens)
+        tie = None
+
+    token_ids = [int(r[0]) for r in host]
     logprobs: list[TokenLogprob | None] = [None] * B
-    if raw_logp is not None:
-        lp_rows = [i for i in range(B) if want_lp[i]]
-        kmax = max(rows[i].params.logprobs or 0 for i in lp_rows)
-        picked = torch.tensor([token_ids[i] for i in lp_rows], device=dev)  # [L]
-        chosen = raw_logp.gather(1, picked.unsqueeze(1))  # [L, 1]
-        chosen_l = chosen.squeeze(1).tolist()
-        if kmax > 0:
-            top_v, top_i = torch.topk(raw_logp, min(kmax, V), dim=-1)  # [L, kmax]
-            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(lp_rows):
-            k = rows[i].params.logprobs or 0
-            top = list(zip(top_i_l[j][:k], top_v_l[j][:k])) if k > 0 else []
-            logprobs[i] = TokenLogprob(token_ids[i], chosen_l[j], top)
+    for i in lp_rows:
+        k = rows[i].params.logprobs or 0
+        kk = min(kmax_lp, V)
+        row = host[i][c0:]
+        top = [(int(row[1 + kk + j]), row[1 + j]) for j in range(min(k, V))] if k > 0 else []
+        logprobs[i] = TokenLogprob(token_ids[i], row[0], top)
     return SampleResult(token_ids, logprobs)
 
 

@@ -30,8 +30,9 @@ if __package__ in (None, ""):
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}  # bytes per block (opt-in maximum)
 
 
-def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them."""
+def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """(name, kernel, pointer/scalar types, constexprs, num_warps, num_stages) as the backends launch them
+    on sm_<arch>."""
     from swaserve.engine.attention import triton_kernels as attention_kernels
     from swaserve.engine.moe import triton_backend as moe_kernels
     from swaserve.engine.quant import triton_q4 as linear_kernels
@@ -53,7 +54,7 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         plse_ptr="*fp32",
     )
     for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
-        bm, bn, w, st = attention_kernels.prefill_block_sizes(D)
+        bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G, SHARED_LIMIT.get(arch, 99 * 1024))
         for kv in ("bf16", "fp16", "fp32"):
             t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
             for sliding in (True, False):
@@ -74,7 +75,11 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         reduce = attention_kernels._decode_reduce_kernel
         out.append((f"attn reduce D{D}", reduce, att, dict(D=D, BLOCK_S=64), 4, 3))
     q = dict(x_ptr="*bf16", wb_ptr="*u8", wh_ptr="*fp16", y_ptr="*bf16", part_ptr="*fp32")
-    for fmt, qn in ((linear_kernels.FMT_Q4_0, "q4_0"), (linear_kernels.FMT_Q8_0, "q8_0")):
+    from swaserve.engine.quant.triton_blocks import FMT_Q4_0_PAIRS
+
+    linear_formats = ((FMT_Q4_0_PAIRS, "q4_0r"), (linear_kernels.FMT_Q4_0, "q4_0"),
+                      (linear_kernels.FMT_Q8_0, "q8_0"))
+    for fmt, qn in linear_formats:
         for m in (1, 2, 4):
             bm, bn, bk = linear_kernels.gemv_blocks(m)
             c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
@@ -103,10 +108,12 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         act_ptr="*bf16",
         sorted_ptr="*i32",
         block_e_ptr="*i32",
+        eoff_ptr="*i64",
         out_ptr="*fp32",
         topw_ptr="*fp32",
     )
     moe_formats = (
+        (FMT_Q4_0_PAIRS, "q4_0r"),
         (linear_kernels.FMT_Q4_0, "q4_0"),
         (linear_kernels.FMT_Q8_0, "q8_0"),
         (linear_kernels.FMT_FLOAT, "bf16"),
@@ -115,9 +122,11 @@ def configs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]
         t = dict(mt, wb_ptr="*bf16", wh_ptr="*bf16") if fmt == linear_kernels.FMT_FLOAT else mt
         for tk in ((8, 16384) if (fmt, qn) in moe_formats else (8,)):
             bm, bn, bk, w = moe_kernels.moe_blocks(tk, 128)
-            c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False)
-            out.append((f"moe gate_up {qn} BM{bm}", moe_kernels._gate_up_kernel, t, c, w, 3))
-            out.append((f"moe down {qn} BM{bm}", moe_kernels._down_kernel, t, c, w, 3))
+            for ind in ((False, True) if fmt == FMT_Q4_0_PAIRS else (False,)):
+                c = dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=False, INDIRECT=ind)
+                tag = " offload" if ind else ""
+                out.append((f"moe gate_up {qn} BM{bm}{tag}", moe_kernels._gate_up_kernel, t, c, w, 3))
+                out.append((f"moe down {qn} BM{bm}{tag}", moe_kernels._down_kernel, t, c, w, 3))
     out += fused_configs()
     return out
 
@@ -179,16 +188,26 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
+def global_loads(ptx: str) -> tuple[int, int]:
+    """(vector, scalar) global load instructions in a kernel's PTX: `ld.global...v2/v4` and the
+    asynchronous copies to shared memory (`cp.async`, 4-16 bytes each) vs the other `ld.global`:
+    whether a weight tile is read with vector loads."""
+    loads = re.findall(r"ld\.global[\w.]*|cp\.async\.\w+\.shared\.global", ptx)
+    vec = sum(1 for ld in loads if ".v2" in ld or ".v4" in ld or ld.startswith("cp.async"))
+    return vec, len(loads) - vec
+
+
 def required(name: str) -> bool:
     """Configurations that must compile without spills and within shared memory: everything the
-    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV, Q4_0/Q8_0/float weights, the fused
-    kernels). fp32 KV attention and the other block types' kernels are reported (WARN) only."""
+    default CUDA path of gemma-4-26B-A4B launches (bf16/fp16 KV; Q4_0 repacked (q4_0r), or in the
+    file's layout (q4_0: the offload backend); Q8_0/float weights; the fused kernels). fp32 KV
+    attention and the other block types' kernels are reported (WARN) only."""
     if "kv fp32" in name:
         return False
     first = name.split()[0]
     if first in ("attn", "moe", "fused", "split-K"):
-        return not name.startswith("moe ") or any(f" {q} " in name for q in ("q4_0", "q8_0", "bf16"))
-    return first in ("q4_0", "q8_0")
+        return not name.startswith("moe ") or any(f" {q} " in name for q in ("q4_0r", "q4_0", "q8_0", "bf16"))
+    return first in ("q4_0r", "q4_0", "q8_0")
 
 
 def runtime_attrs(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> dict[tuple[int], list]:
@@ -216,7 +235,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
 
     limit = SHARED_LIMIT.get(arch, 99 * 1024)
     failed = 0
-    for name, fn, types, consts, warps, stages in configs():
+    for name, fn, types, consts, warps, stages in configs(arch):
         if only and only not in name:
             continue
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -234,6 +253,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
             continue
         shared = int(k.metadata.shared)
         regs, stack = _resource_usage(k.asm["cubin"])
+        vec, narrow = global_loads(k.asm["ptx"])
         over, spills = shared > limit, bool(stack)
         bad = over or spills
         warn = bad and not required(name)
@@ -241,7 +261,7 @@ def compile_all(arch: int = 90, only: str | None = None, specialise: bool = True
         note = ("  (over the shared-memory limit)" if over else "") + ("  (spills)" if spills else "")
         print(
             f"{'WARN' if warn else 'FAIL' if bad else 'ok  '} sm_{arch} {name:38s} shared {shared:>6d} B  "
-            f"regs {regs}  stack {stack} B{note}  [{time.monotonic() - t0:.1f}s]",
+            f"regs {regs}  stack {stack} B  loads v{vec}/{narrow}{note}  [{time.monotonic() - t0:.1f}s]",
             flush=True,
         )
     return failed

@@ -44,7 +44,7 @@ class _BatchInfo:
         self._prefill_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prefill_blocks(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(blk_seq, blk_start) [NB] int32: one program per BLOCK_M query rows of a prefill sequence."""
+        """(blk_seq, blk_start) [NB] int32: one program per `block_m` query tokens of a prefill sequence."""
         if block_m not in self._prefill_blocks:
             seq, start = [], []
             for b, q in self.prefill_seqs:
@@ -67,6 +67,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n
         self._batch: _BatchInfo | None = None  # the last step's index tensors (reused by its layers)
         self._num_sms: dict[torch.device, int] = {}
+        self._smem: dict[torch.device, int | None] = {}
+        # True while CUDA graphs are captured: the decode split count follows the GPU's occupancy only,
+        # not the context length (a graph replays with whatever lengths the static buffers hold)
+        self.length_free_splits = False
 
     def _batch_info(self, meta: AttentionMetadata, device: torch.device) -> _BatchInfo:
         key = (tuple(meta.q_lens), tuple(meta.prefix_lens), device)
@@ -82,11 +86,20 @@ class TritonAttentionBackend(AttentionBackend):
             self._num_sms[device] = n
         return self._num_sms[device]
 
+    def _shared(self, device: torch.device) -> int | None:
+        """Shared memory per block of the device (opt-in maximum); None off CUDA."""
+        if device.type != "cuda":
+            return None
+        if device not in self._smem:
+            props = torch.cuda.get_device_properties(device)  # opt-in limit = per SM less 1 KB reserved
+            self._smem[device] = props.shared_memory_per_multiprocessor - 1024
+        return self._smem[device]
+
     def num_splits(self, eff_len: int, num_dec: int, kvh: int, device: torch.device) -> int:
         """Splits of the key range per decode sequence: enough programs to fill the GPU, >= 128 keys each."""
         if self.decode_splits is not None:
             return max(1, self.decode_splits)
-        by_len = triton.cdiv(max(eff_len, 1), 128)
+        by_len = 64 if self.length_free_splits else triton.cdiv(max(eff_len, 1), 128)
         by_occupancy = triton.cdiv(2 * self._sms(device), max(num_dec * kvh, 1))
         return max(1, min(by_len, by_occupancy, 64))
 
@@ -130,11 +143,12 @@ class TritonAttentionBackend(AttentionBackend):
         if out is None:
             out = empty(T, H, D, dtype=q.dtype, device=q.device)
         assert out.shape == q.shape and out.stride(2) == 1
-        if info.prefill_seqs:
-            bm, bn, warps, stages = kernels.prefill_block_sizes(D)
-            bm, bn = self.block_m or bm, self.block_n or bn
-            blk_seq, blk_start = info.prefill_blocks(bm)
-            kernels._prefill_kernel[(blk_seq.numel(), H)](
+        if info.prefill_seqs:  # packed GQA: a tile = BLOCK_M // G tokens x the G heads of one KV head
+            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G, self._shared(q.device))
+            bm = kernels.prefill_rows(G, self.block_m) if self.block_m else bm
+            bn = self.block_n or bn
+            blk_seq, blk_start = info.prefill_blocks(bm // G)
+            kernels._prefill_kernel[(blk_seq.numel(), KVH)](
                 q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q_lens, info.prefix_lens, page_table,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
-    blk_seq_ptr, blk_start_ptr,  # [NB] int32: sequence and first query row (within it) per program
+    blk_seq_ptr, blk_start_ptr,  # [NB] int32: sequence and first query token (within it) per program
     cu_q_ptr, prefix_ptr,  # [B + 1], [B] int32
     pt_ptr,  # [B, MP] int64 page table
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -26,20 +26,25 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    # One program per (BLOCK_M // G query tokens, KV head): the tile's BLOCK_M rows are those tokens'
+    # G query heads (row r = token r // G, head kvh * G + r % G), so each K/V tile is read once for
+    # all the heads that share it (packed GQA).
     pid = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     b = tl.load(blk_seq_ptr + pid)
     m0 = tl.load(blk_start_ptr + pid)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     prefix = tl.load(prefix_ptr + b)
-    kvh = h // G
+    TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_r // G  # query token of each row, within the sequence
+    head = kvh * G + offs_r % G  # [BM]
     offs_d = tl.arange(0, D)
-    m_mask = offs_m < q_len
+    m_mask = (offs_r < TOK * G) & (offs_m < q_len)
     tok = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)  # [BM, D]
     if DOT_F32:
         q = q.to(tl.float32)
@@ -47,7 +52,7 @@ def _prefill_kernel(
         q = q.to(k_ptr.dtype.element_ty)  # tl.dot needs equal operand types
     pos = prefix + offs_m  # [BM] absolute positions
 
-    hi = prefix + tl.minimum(m0 + BLOCK_M, q_len)  # one past the last key any row sees
+    hi = prefix + tl.minimum(m0 + TOK, q_len)  # one past the last key any row sees
     if SLIDING:
         lo = tl.maximum(prefix + m0 - window + 1, 0)
     else:
@@ -87,7 +92,7 @@ def _prefill_kernel(
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -193,13 +198,24 @@ def _decode_reduce_kernel(
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills
 # (python -m tools.triton_aot prints registers and stack per configuration).
-def prefill_block_sizes(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None = None
+                        ) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = query tokens x the group's G heads, BLOCK_N, num_warps, num_stages) for the
+    packed prefill kernel; `shared_bytes`: the device's shared memory per block (None: sm_90's),
+    at D = 512 under 160 KB (sm_89: 99 KB) the row tile halves to fit (K and V tiles are 64 KB each)."""
     if head_dim >= 512:
-        return 32, 16, 8, 2
-    if head_dim >= 256:
-        return 64, 16, 8, 2
-    return 64, 32, 4, 2
+        small = shared_bytes is not None and shared_bytes < 160 * 1024
+        bm, bn, warps, stages = (16 if small else 32), 64, 8, 1
+    elif head_dim >= 256:
+        bm, bn, warps, stages = 64, 64, 8, 1
+    else:
+        bm, bn, warps, stages = 64, 64, 4, 2
+    return max(bm, prefill_rows(group)), bn, warps, stages
+
+
+def prefill_rows(group: int, rows: int = 16) -> int:
+    """Rows of a packed prefill tile holding at least one token's `group` heads and `rows` rows."""
+    return max(rows, triton.next_power_of_2(group))
 
 
 def decode_block_sizes(head_dim: int) -> tuple[int, int, int]:

@@ -7,18 +7,19 @@ import torch
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import FLOAT_TYPES
 from swaserve.engine.quant.linear import linear
+from swaserve.engine.quant.q4_repack import repack_weight
 
 _FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}
 
 
 def float_weight_to(w: QWeight, device: torch.device, dtype: torch.dtype | None) -> QWeight:
     """A float QWeight on `device` stored in `dtype` (converted once here, so no call converts it;
-    None keeps the stored dtype); block-quantized weights are only moved (their kernels dequantize
-    in the compute dtype)."""
+    None keeps the stored dtype); block-quantized weights are moved (their kernels dequantize in the
+    compute dtype), Q4_0 repacked on CUDA into the kernels' aligned layout (engine/quant/q4_repack.py)."""
     if w.qtype not in FLOAT_TYPES or dtype is None:
-        if w.data.device == device:
-            return w
-        return QWeight(w.qtype, w.shape, w.data.to(device), w.name)
+        if w.data.device != device:
+            w = QWeight(w.qtype, w.shape, w.data.to(device), w.name, layout=w.layout)
+        return repack_weight(w) if device.type == "cuda" else w  # Q4_0: aligned rows for vector loads
     if w.data.device == device and w.data.dtype == dtype:
         return w
     data = w.data.to(device=device, dtype=dtype)  # one conversion at load

@@ -1,14 +1,14 @@
-"""MoE with the routed experts kept as Q4_0 (stored form) in host memory.
+"""MoE with the routed experts kept in host memory (stored form; Q4_0 repacked for the kernels).
 
 Three paths, picked per call:
-- host: experts computed on the CPU with engine.quant.linear (the only path on a CPU device;
-  on CUDA the decode path when no expert cache is configured);
-- cache: a device LRU of `cache_size` (layer, expert) slots; a decode step's misses are copied
-  host -> device into free or least-recently-used slots, then the fused Triton MoE runs over the
-  slots (the routing ids remapped to slot ids);
-- stream: a prefill (or a step needing more experts than the cache holds) copies the layer's
-  whole expert stack into one of two device buffers; after computing layer L the next layer is
-  prefetched into the other buffer on a side stream, ordered by CUDA events.
+- host: experts computed on the CPU with engine.quant.linear (the only path on a CPU device);
+- cache (decode-sized batches): the fused Triton MoE reads each expert from a device cache slot when
+  resident, else straight from the registered host buffer (zero copy); the cache is filled one step
+  behind from bitmaps of the used experts, with copies on a side stream, so the router ids are never
+  read back in the step (engine/moe/offload_cache.py);
+- stream: a prefill (or a step of many tokens) copies the layer's whole expert stack into one of two
+  device buffers; after computing layer L the next layer is prefetched into the other buffer on a
+  side stream, ordered by CUDA events.
 `emulate_device=True` runs the cache and stream paths with CPU tensors (tests, via the Triton
 interpreter); streams and events are then no-ops.
 """
@@ -16,16 +16,18 @@ interpreter); streams and events are then no-ops.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
 from swaserve.engine.config import CpuMatmul, ModelConfig
 from swaserve.engine.moe.base import ExpertWeights, MoEBackend
+from swaserve.engine.moe.offload_cache import DeviceExpertCache, Sync
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import expert_slice, linear
+from swaserve.engine.quant.q4_repack import repack_weight, repacked_row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +49,51 @@ def experts_fit(experts: list[ExpertWeights], device: torch.device, fraction: fl
 
 
 HOST_ALIGN = 64  # bytes: each weight's slice of the host buffer starts on this boundary
+HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read the buffer (UVA: same address)
 
 
-def host_buffer(weights: list[QWeight], pin: bool) -> tuple[list[QWeight], torch.Tensor]:
+def host_buffer(weights: list[QWeight], pin: bool, repack: bool = False
+                ) -> tuple[list[QWeight], torch.Tensor, bool]:
     """All `weights` copied into one exact-size host buffer (each slice HOST_ALIGN-aligned), returned
-    as views of it, and the buffer. With `pin` the buffer is page-locked in place with
-    cudaHostRegister: its exact size, where `Tensor.pin_memory()` per weight rounds every block up to
-    a power of two (~22.5 GiB pinned for 12 GiB of experts). Registration failure is logged; the
-    copies then are pageable (synchronous)."""
-    sizes = [w.data.numel() * w.data.element_size() for w in weights]
+    as views of it, the buffer, and whether it was registered. With `repack` Q4_0 weights are stored
+    in the kernels' aligned layout (engine/quant/q4_repack.py). With `pin` the buffer is page-locked
+    and mapped in place with cudaHostRegister: its exact size, where `Tensor.pin_memory()` per weight
+    rounds every block up to a power of two (~22.5 GiB pinned for 12 GiB of experts); kernels can
+    read it directly (the cache path's zero-copy misses). Registration failure is logged; the copies
+    are then pageable (synchronous) and the cache path is off."""
+    def packs(w: QWeight) -> bool:
+        return repack and w.qtype == "Q4_0" and w.shape[-1] % 32 == 0 and not w.layout
+
+    def stored_shape(w: QWeight) -> tuple[int, ...]:  # of the bytes kept in the buffer
+        return (*w.data.shape[:-1], repacked_row_bytes(w.shape[-1])) if packs(w) else tuple(w.data.shape)
+
+    sizes = [math.prod(stored_shape(w)) * w.data.element_size() for w in weights]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // HOST_ALIGN) * HOST_ALIGN
     buf = torch.empty(total, dtype=torch.uint8)
     out = []
-    for w, off, n in zip(weights, offsets, sizes):
-        view = buf[off:off + n].view(w.data.dtype).view(w.data.shape)
-        view.copy_(w.data)
-        out.append(QWeight(w.qtype, w.shape, view, w.name))
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="copying offloaded experts to one host buffer",
+              disable=None, leave=False) as bar:  # a bar on a terminal only
+        for w, off, n in zip(weights, offsets, sizes):
+            src = repack_weight(w) if packs(w) else w  # one weight's repacked copy at a time
+            view = buf[off:off + n].view(src.data.dtype).view(src.data.shape)
+            view.copy_(src.data)
+            out.append(QWeight(src.qtype, src.shape, view, src.name, layout=src.layout))
+            bar.update(n)
+    registered = False
     if pin and total:
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), total, 0)
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), total, HOST_REGISTER_MAPPED)
         if int(err) != 0:
             log.warning("could not page-lock the %.1f GiB expert buffer (cudaHostRegister error %s); "
-                        "copies will be synchronous", total / 2**30, err)
+                        "copies will be synchronous and decode streams whole layers", total / 2**30, err)
         else:
+            registered = True
             weakref.finalize(buf, torch.cuda.cudart().cudaHostUnregister, buf.data_ptr())
-    return out, buf
+    return out, buf, registered
 
 
 class OffloadMoE(MoEBackend):
@@ -90,17 +110,20 @@ class OffloadMoE(MoEBackend):
         if cache_size < 0:
             raise ValueError(f"--moe-cache-size must be >= 0, got {cache_size}")
         self.logical_bytes = expert_bytes(experts)
-        if self.cuda:  # one registered buffer: the host->device copies are asynchronous
+        self.mapped = emulate_device  # kernels can read the host stacks (CUDA: once registered)
+        if self.on_device:  # one buffer (CUDA: registered), Q4_0 in the kernels' layout
             flat = [t for ew in experts for t in (ew.gate_up, ew.down)]
-            stacked, self._host_buffer = host_buffer(flat, pin=True)
+            stacked, self._host_buffer, registered = host_buffer(flat, pin=self.cuda, repack=True)
+            self.mapped = self.mapped or registered
             self.gate_up, self.down = stacked[0::2], stacked[1::2]  # [E, 2I, H], [E, H, I] per layer
             self.host_bytes = self._host_buffer.numel()
-        else:  # CPU (and emulation): the stored weights in place, no copy
+        else:  # CPU: the stored weights in place, no copy
             self.gate_up = [ew.gate_up for ew in experts]
             self.down = [ew.down for ew in experts]
             self.host_bytes = 0
         self.num_layers = len(experts)
-        self.stats = {"host": 0, "cache": 0, "stream": 0, "hits": 0, "misses": 0, "layer_copies": 0}
+        self.stats = {"host": 0, "cache": 0, "stream": 0, "hits": 0, "misses": 0, "layer_copies": 0,
+                      "expert_copies": 0}
         if not self.on_device:
             self.cache_size = 0
             return
@@ -117,17 +140,17 @@ class OffloadMoE(MoEBackend):
             log.info("offload MoE: caching %d of %d experts on %s (%.1f GiB)", cache_size,
                      E * self.num_layers, self.device, cache_size * per_expert / 2**30)
         self.cache_size = min(cache_size, E * self.num_layers)
-        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
-        self._free_slots = list(range(self.cache_size))
-        if self.cache_size and experts:
-            self._cache = (self._alloc_like(self.gate_up[0], self.cache_size),
-                           self._alloc_like(self.down[0], self.cache_size))
+        self._sync = Sync(self.device)
+        self._cache: DeviceExpertCache | None = None
+        if self.mapped and experts:  # zero-copy reads of what is not cached: 1 slot at least
+            self._cache = DeviceExpertCache(self.gate_up, self.down, self.cache_size, self._alloc_like,
+                                            self._sync, self.stats)
         if experts:
             self._stream_buffers = [(self._alloc_like(self.gate_up[0], E), self._alloc_like(self.down[0], E))
                                     for _ in range(2)]
         self._stream_buffer_layer = [-1, -1]  # layer whose experts each stream buffer holds (or receives)
         self._next_stream_buffer = 0
-        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # prefetches run here
+        self._copy_stream = self._sync.side  # prefetches run here
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._compute_done: list[torch.cuda.Event | None] = [None, None]
 
@@ -138,8 +161,8 @@ class OffloadMoE(MoEBackend):
 
     def _alloc_like(self, w: QWeight, n: int) -> QWeight:
         """A device QWeight of n stacked experts shaped like w's (contents undefined)."""
-        data = torch.empty((n, *w.data.shape[1:]), dtype=w.data.dtype, device=self.device)
-        return QWeight(w.qtype, (n, *w.shape[1:]), data, f"{w.name}[device]")
+        data = torch.empty((max(n, 1), *w.data.shape[1:]), dtype=w.data.dtype, device=self.device)
+        return QWeight(w.qtype, (max(n, 1), *w.shape[1:]), data, f"{w.name}[device]", layout=w.layout)
 
     def forward(
         self,
@@ -151,13 +174,8 @@ class OffloadMoE(MoEBackend):
         T = x.shape[0]
         if not self.on_device or T == 0:
             return self._host(layer, x, topk_ids, topk_weights)
-        if T < self.stream_min_tokens:
-            ids = topk_ids.cpu()  # [T, K] (the cache bookkeeping runs on the host)
-            used = torch.unique(ids).tolist()
-            if 0 < len(used) <= self.cache_size:
-                return self._cached(layer, x, ids, used, topk_weights)
-            if self.cache_size == 0:  # no device cache: decode computes on the host
-                return self._host(layer, x, topk_ids, topk_weights)
+        if T < self.stream_min_tokens and self._cache is not None:
+            return self._cached(layer, x, topk_ids, topk_weights)
         return self._streamed(layer, x, topk_ids, topk_weights)
 
     # -- host path ---------------------------------------------------------------------------
@@ -177,37 +195,19 @@ class OffloadMoE(MoEBackend):
             out.index_add_(0, tok, y * w[tok, slot, None])
         return out.to(x.device, non_blocking=True)
 
-    # -- device LRU cache --------------------------------------------------------------------
-    def _cached(self, layer: int, x: torch.Tensor, ids: torch.Tensor, used: list[int],
+    # -- device cache + zero-copy host reads -----------------------------------------------
+    def _cached(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        """No host read of the ids: experts come from their slot or from mapped host memory."""
         self.stats["cache"] += 1
-        cache_gu, cache_dn = self._cache
-        lut = torch.full((self.cfg.num_experts,), -1, dtype=torch.int64)  # expert -> slot
-        misses = []
-        for e in used:
-            slot = self._lru.get((layer, e))
-            if slot is None:
-                misses.append(e)
-            else:
-                self._lru.move_to_end((layer, e))
-                lut[e] = slot
-        self.stats["hits"] += len(used) - len(misses)
-        self.stats["misses"] += len(misses)
-        for e in misses:
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:  # the LRU entry is never one of this step's experts (len(used) <= cache_size)
-                (old_key, slot) = self._lru.popitem(last=False)
-                assert old_key[0] != layer or old_key[1] not in used, old_key
-            # same stream as the kernels: ordered after earlier readers of the slot, before ours
-            cache_gu.data[slot].copy_(self.gate_up[layer].data[e], non_blocking=True)
-            cache_dn.data[slot].copy_(self.down[layer].data[e], non_blocking=True)
-            self._lru[(layer, e)] = slot
-            lut[e] = slot
-        slot_ids = lut[ids].to(self.device, non_blocking=True)  # [T, K]
-        return self._fused_moe(x, self._stacked_views(cache_gu, self.device),
-                               self._stacked_views(cache_dn, self.device), slot_ids, topk_weights,
-                               self.intermediate_size)
+        cache = self._cache
+        cache.before(layer)
+        gu, dn = cache.slots
+        y = self._fused_moe(x, self._stacked_views(gu, self.device), self._stacked_views(dn, self.device),
+                            topk_ids, topk_weights, self.intermediate_size,
+                            expert_offsets=cache.offsets(layer))
+        cache.after(layer, topk_ids)
+        return y
 
     # -- whole-layer streaming through a double buffer --------------------------------------
     def _streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -259,11 +259,7 @@ class OffloadMoE(MoEBackend):
         self.stats["layer_copies"] += 1
 
     def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
-        return ev
+        return self._sync.record(side=stream is not None)
 
     def _wait(self, ev: torch.cuda.Event | None) -> None:
         if ev is not None:

@@ -18,22 +18,25 @@ from swaserve.engine.config import ModelConfig
 from swaserve.engine.fused.moe_kernels import align_on_device
 from swaserve.engine.moe.base import ExpertWeights, MoEBackend
 from swaserve.engine.quant.base import QWeight
+from swaserve.engine.quant.q4_repack import repack_weight
 from swaserve.engine.quant.triton_q4 import (
-    WEIGHT_FORMATS,
     check_triton_device,
     dot_f32,
-    load_w_tile,
+    load_w_tile_k,
+    weight_format,
     weight_views,
 )
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, wb_ptr, wh_ptr, act_ptr, sorted_ptr, block_e_ptr,
+    x_ptr, wb_ptr, wh_ptr, act_ptr, sorted_ptr, block_e_ptr, eoff_ptr,
     num_assign, top_k, H, INTER, stride_xm, stride_we, stride_wn,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, INDIRECT: tl.constexpr,
 ):
+    # INDIRECT: expert e's weight starts at byte eoff[e] from wb_ptr (a device cache slot, or the
+    # expert in mapped host memory: engine/moe/offload_cache.py); else at e * stride_we
     # act: [T * K, I] in the activation dtype, row = assignment index t * K + k
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -44,7 +47,10 @@ def _gate_up_kernel(
         tok = (ids // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
-        base = e.to(tl.int64) * stride_we
+        if INDIRECT:  # offsets are multiples of 16 (16-byte rows, 64-byte host slices): vector loads stay
+            base = tl.multiple_of(tl.load(eoff_ptr + e), 16)
+        else:
+            base = e.to(tl.int64) * stride_we
         gate_off = base + offs_n.to(tl.int64) * stride_wn  # rows [0, I): gate
         up_off = base + (offs_n + INTER).to(tl.int64) * stride_wn  # rows [I, 2I): up
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -54,8 +60,8 @@ def _gate_up_kernel(
             k_mask = offs_k < H
             x = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
                         mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            wg = load_w_tile(wb_ptr, wh_ptr, gate_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
-            wu = load_w_tile(wb_ptr, wh_ptr, up_off, offs_k, n_mask, k_mask, FMT)
+            wg = load_w_tile_k(wb_ptr, wh_ptr, gate_off, k0, H, H, n_mask, FMT, BLOCK_N, BLOCK_K)  # [BN, BK]
+            wu = load_w_tile_k(wb_ptr, wh_ptr, up_off, k0, H, H, n_mask, FMT, BLOCK_N, BLOCK_K)
             if DOT_F32:
                 xf = x.to(tl.float32)
                 acc_g += tl.dot(xf, tl.trans(wg), input_precision="ieee")
@@ -72,10 +78,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, wb_ptr, wh_ptr, out_ptr, topw_ptr, sorted_ptr, block_e_ptr,
+    act_ptr, wb_ptr, wh_ptr, out_ptr, topw_ptr, sorted_ptr, block_e_ptr, eoff_ptr,
     num_assign, H, INTER, stride_we, stride_wn,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, INDIRECT: tl.constexpr,
 ):
     # out: [T * K, H] fp32, row = assignment index, already scaled by its routing weight
     pid_m = tl.program_id(0)
@@ -87,14 +93,17 @@ def _down_kernel(
         rows = ids.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
-        w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
+        if INDIRECT:
+            w_off = tl.multiple_of(tl.load(eoff_ptr + e), 16) + offs_n.to(tl.int64) * stride_wn
+        else:
+            w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < INTER
             a = tl.load(act_ptr + rows[:, None] * INTER + offs_k[None, :],
                         mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            w = load_w_tile(wb_ptr, wh_ptr, w_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+            w = load_w_tile_k(wb_ptr, wh_ptr, w_off, k0, INTER, INTER, n_mask, FMT, BLOCK_N, BLOCK_K)
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
@@ -149,19 +158,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: tuple[torch.Tensor, torch.Tensor, str],  # (bytes, fp16 view, qtype) of [E, 2I, H]
-    down: tuple[torch.Tensor, torch.Tensor, str],  # of [E, H, I]
+    gate_up: tuple[torch.Tensor, torch.Tensor, int],  # (bytes, fp16 view, kernel FMT) of [E, 2I, H]
+    down: tuple[torch.Tensor, torch.Tensor, int],  # of [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] expert index into the stacked weights
     topk_weights: torch.Tensor,  # [T, K]
     intermediate_size: int,  # I
     block_m: int | None = None,  # rows per block of the sorted assignments (None: by batch size)
     out_dtype: torch.dtype | None = None,  # None: x's dtype
     summed: bool = True,  # False: the weighted rows per assignment, [T, K, H] fp32 (a caller sums them)
+    expert_offsets: tuple[torch.Tensor, torch.Tensor] | None = None,  # int64 [E] byte offsets per expert
 ) -> torch.Tensor:  # [T, H] in out_dtype
-    """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights."""
+    """sum_k w_k * down_e(gelu_tanh(gate_e x) * up_e x) over stacked expert weights. With
+    `expert_offsets` (gate_up's, down's), expert e's weights start eoff[e] bytes from the stacks'
+    first bytes instead of at row e (the offload cache: a slot, or mapped host memory)."""
     T, H = x.shape
     K = topk_ids.shape[1]
-    E = gate_up[0].shape[0]
+    E = gate_up[0].shape[0] if expert_offsets is None else expert_offsets[0].shape[0]
     if T == 0:
         return torch.zeros_like(x, dtype=out_dtype or x.dtype) if summed else x.new_zeros(0, K, H).float()
     if x.stride(1) != 1:
@@ -176,33 +188,46 @@ def fused_moe(
     gb, gh, gq = gate_up
     db, dh, dq = down
     inter = intermediate_size
+    indirect = expert_offsets is not None
+    g_off, d_off = expert_offsets if indirect else (block_e, block_e)  # (unused pointers when direct)
     act = empty(tk, inter, dtype=x.dtype, device=x.device)  # [TK, I]
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, gb, gh, act, sorted_ids, block_e, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
-        FMT=WEIGHT_FORMATS[gq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        x, gb, gh, act, sorted_ids, block_e, g_off, tk, K, H, inter, x.stride(0), gb.stride(0), gb.stride(1),
+        FMT=gq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, INDIRECT=indirect, num_warps=warps,
     )
     out = empty(tk, H, dtype=torch.float32, device=x.device)  # [TK, H]
     _down_kernel[(nb, triton.cdiv(H, bn))](
-        act, db, dh, out, topw, sorted_ids, block_e, tk, H, inter, db.stride(0), db.stride(1),
-        FMT=WEIGHT_FORMATS[dq], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=warps,
+        act, db, dh, out, topw, sorted_ids, block_e, d_off, tk, H, inter, db.stride(0), db.stride(1),
+        FMT=dq, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, INDIRECT=indirect, num_warps=warps,
     )
     if not summed:
         return out.view(T, K, H)
     return out.view(T, K, H).sum(1).to(out_dtype or x.dtype)
 
 
-def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(bytes, fp16 view, qtype) of a stacked expert weight [E, N, K] on `device`."""
-    if w.qtype not in WEIGHT_FORMATS:
-        raise ValueError(f"{w.name}: no triton MoE kernel for weight type {w.qtype!r}")
+def stacked_views(w: QWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(bytes, fp16 view, kernel FMT) of a stacked expert weight [E, N, K] on `device`."""
+    try:
+        fmt = weight_format(w.qtype, w.layout)
+    except KeyError:
+        raise ValueError(f"{w.name}: no triton MoE kernel for weight type {w.qtype!r}") from None
     data = w.data.to(device)
     b, h = weight_views(data, w.qtype)
     assert b.dim() == 3 and b.stride(-1) == 1, (w.name, b.shape, b.stride())
-    return b, h, w.qtype
+    return b, h, fmt
+
+
+def resident_experts(w: QWeight, device: torch.device) -> QWeight:
+    """A stacked expert weight on `device`, Q4_0 repacked there for the vector-load tile path."""
+    if w.data.device != device:
+        w = QWeight(w.qtype, w.shape, w.data.to(device), w.name, layout=w.layout)
+    return repack_weight(w)
 
 
 class TritonMoE(MoEBackend):
     """All experts resident on the device; one fused gate_up + down pass per layer."""
+
+    graph_safe = True  # no host work in forward: a decode step can be captured (engine/cuda_graphs.py)
 
     def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cuda",
                  block_m: int | None = None):
@@ -211,8 +236,10 @@ class TritonMoE(MoEBackend):
         check_triton_device(self.device, "the triton MoE backend")
         self.intermediate_size = cfg.moe_intermediate_size
         self.block_m = block_m  # rows per block of the sorted assignments (None: by batch size)
-        self.gate_up = [stacked_views(ew.gate_up, self.device) for ew in experts]  # [E, 2I, H] per layer
-        self.down = [stacked_views(ew.down, self.device) for ew in experts]  # [E, H, I] per layer
+        self.gate_up = [stacked_views(resident_experts(ew.gate_up, self.device), self.device)
+                        for ew in experts]  # [E, 2I, H] per layer
+        self.down = [stacked_views(resident_experts(ew.down, self.device), self.device)
+                     for ew in experts]  # [E, H, I] per layer
 
     def forward(
         self,

@@ -53,4 +53,8 @@ class QWeight:
     # True when `data` is a view of the read-only GGUF file mapping (set by the loader, inherited by
     # expert slices): once a cached form replaces the stored one, its file pages may be released
     mmapped: bool = False
+    # "" = the GGUF byte layout; engine.quant.q4_repack.Q4_0_PAIRS = Q4_0 repacked at load for the
+    # GPU kernels (codes in pair order and scales in separate aligned runs per row; data
+    # [..., N, repacked_row_bytes(K)])
+    layout: str = ""
     cache: QWeightCache = field(default_factory=QWeightCache, repr=False, compare=False)

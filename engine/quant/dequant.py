@@ -10,6 +10,7 @@ import torch
 
 from swaserve.engine.quant.base import Q4_0_BLOCK_BYTES, QWeight
 from swaserve.engine.quant.formats import FORMATS, dequantize_blocks
+from swaserve.engine.quant.q4_repack import Q4_0_PAIRS, gguf_data, unpack_q4_0
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_BYTES = {name: fmt.block_bytes for name, fmt in FORMATS.items()}  # every block type
@@ -51,7 +52,7 @@ def dequantize_data(qtype: str, data: torch.Tensor, out: torch.Tensor | None = N
 
 def dequantize(w: QWeight) -> torch.Tensor:
     """The fp32 tensor of shape `w.shape` that `w` stores."""
-    out = dequantize_data(w.qtype, w.data)
+    out = dequantize_data(w.qtype, gguf_data(w))
     return out.reshape(w.shape)
 
 
@@ -59,4 +60,7 @@ def dequantize_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows `ids` of a 2-D weight [N, K] (an embedding lookup): [T] -> [T, K]. Only the stored
     bytes of those rows are read and decoded."""
     assert len(w.shape) == 2, w.shape
-    return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))
+    rows = w.data.index_select(0, ids.to(w.data.device))
+    if w.layout == Q4_0_PAIRS:
+        rows = unpack_q4_0(rows, w.shape[-1])
+    return dequantize_data(w.qtype, rows)

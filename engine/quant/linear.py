@@ -49,12 +49,13 @@ from swaserve.engine.quant.dequant import (
     FLOAT_TYPES,
     block_scales,
     dequantize,
-    dequantize_data,
+    dequantize_rows,
     q4_0_codes,
     supported,
 )
 from swaserve.engine.quant.formats import dequantize_blocks
 from swaserve.engine.quant.pages import release_pages
+from swaserve.engine.quant.q4_repack import gguf_data
 
 if TYPE_CHECKING:
     from swaserve.engine.config import CpuMatmul
@@ -72,7 +73,8 @@ def expert_slice(w: QWeight, e: int) -> QWeight:
     assert len(w.shape) == 3, f"{w.name}: expert_slice needs a stacked [E, N, K] weight, got {w.shape}"
     sub = w.cache.experts.get(e)
     if sub is None:
-        sub = QWeight(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]", mmapped=w.mmapped)
+        sub = QWeight(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]", mmapped=w.mmapped,
+                      layout=w.layout)
         w.cache.experts[e] = sub
     return sub
 
@@ -89,6 +91,8 @@ def linear(x: torch.Tensor, w: QWeight, cpu_matmul: CpuMatmul = "exact") -> torc
         raise ValueError(f"{w.name}: unsupported QWeight type {w.qtype!r}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
+    if w.layout and not x2.is_cuda:  # repacked for the GPU kernels: decode the GGUF bytes back
+        w = QWeight(w.qtype, w.shape, gguf_data(w), w.name)
     if x2.is_cuda:
         y = _cuda_linear(x2, w)
     elif cpu_matmul == "native" and native_ok(w) and x2.dtype == torch.float32:
@@ -239,4 +243,4 @@ def embedding(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
         return native.rows(w.cache.interleaved, w.shape[0], w.shape[1], ids)
     if w.qtype in FLOAT_TYPES:
         return w.data.index_select(0, ids.to(w.data.device)).to(torch.float32)
-    return dequantize_data(w.qtype, w.data.index_select(0, ids.to(w.data.device)))
+    return dequantize_rows(w, ids)

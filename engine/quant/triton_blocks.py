@@ -16,6 +16,7 @@ import triton.language as tl
 FMT_FLOAT, FMT_Q4_0, FMT_Q8_0 = 0, 1, 2
 FMT_Q4_1, FMT_Q5_0, FMT_Q5_1, FMT_IQ4_NL = 3, 4, 5, 6
 FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_IQ4_XS = 7, 8, 9, 10, 11, 12
+FMT_Q4_0_PAIRS = 13  # Q4_0 repacked at load (engine/quant/q4_repack.py): read by load_w_tile_k
 # qtype -> the kernels' FMT constexpr
 WEIGHT_FORMATS = {
     "F32": FMT_FLOAT, "F16": FMT_FLOAT, "BF16": FMT_FLOAT, "Q4_0": FMT_Q4_0, "Q8_0": FMT_Q8_0,
@@ -165,6 +166,50 @@ def load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT: tl.constex
         base = rows + ((offs_k // elems) * nbytes)[None, :]  # [BN, BK] byte offset of each weight's block
         w = _decode(wb_ptr, wh_ptr, base, (offs_k % elems)[None, :], mask, FMT)
     return w
+
+
+@triton.jit
+def _load_q4_0_pairs(wb_ptr, wh_ptr, row_off, k0, row_k, k_hi, n_mask,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 tile [BN, BK] of columns [k0, k0 + BK) of a Q4_0_PAIRS weight (BK a multiple of 32, k0 and
+    k_hi multiples of 32): one contiguous run of BK / 2 code bytes per row (16-byte-aligned rows:
+    vector loads) and BK / 32 fp16 scales from the row's scale run at byte row_k / 2."""
+    offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes of the tile in each row
+    # the K mask per 16-byte block (k0, k_hi multiples of 32): constant over a vector's bytes
+    p_ok = (offs_p // 16) * 32 < k_hi
+    b = tl.load(wb_ptr + row_off[:, None] + offs_p[None, :],
+                mask=n_mask[:, None] & p_ok[None, :], other=0)  # [BN, BK / 2] uint8
+    lo = (b & 0xF).to(tl.int32) - 8  # element 2p
+    hi = (b >> 4).to(tl.int32) - 8  # element 2p + 1
+    q = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float32)  # [BN, BK] in element order
+    offs_b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    d = tl.load(wh_ptr + ((row_off + row_k // 2) // 2)[:, None] + offs_b[None, :],
+                mask=n_mask[:, None] & (offs_b * 32 < k_hi)[None, :], other=0.0).to(tl.float32)
+    w = tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)) * d[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def load_w_tile_k(wb_ptr, wh_ptr, row_off, k0, row_k, k_hi, n_mask, FMT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The kernels' weight tile [BN, BK] of columns [k0, k0 + BK) (masked at k_hi) of rows at byte
+    offsets `row_off` (rows of `row_k` weights): load_w_tile for the GGUF layouts, the vector-load
+    path for FMT_Q4_0_PAIRS."""
+    if FMT == 13:
+        w = _load_q4_0_pairs(wb_ptr, wh_ptr, row_off, k0, row_k, k_hi, n_mask, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, offs_k < k_hi, FMT)
+    return w
+
+
+def weight_format(qtype: str, layout: str = "") -> int:
+    """The kernels' FMT constexpr of a weight (its stored type and layout)."""
+    if layout:
+        if layout != "q4_0_pairs" or qtype != "Q4_0":
+            raise ValueError(f"no triton kernel for the {layout!r} layout of {qtype}")
+        return FMT_Q4_0_PAIRS
+    return WEIGHT_FORMATS[qtype]
 
 
 def block_elems(qtype: str) -> int:

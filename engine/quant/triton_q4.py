@@ -24,6 +24,8 @@ from swaserve.engine.quant.triton_blocks import (  # noqa: F401  (re-exported fo
     WEIGHT_FORMATS,
     block_elems,
     load_w_tile,
+    load_w_tile_k,
+    weight_format,
 )
 
 GEMV_MAX_ROWS = 4  # rows up to which the GEMV kernel is used
@@ -48,7 +50,7 @@ def _gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+        w = load_w_tile_k(wb_ptr, wh_ptr, row_off, k0, K, K, n_mask, FMT, BLOCK_N, BLOCK_K)  # [BN, BK]
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -76,7 +78,7 @@ def _gemv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        w = load_w_tile(wb_ptr, wh_ptr, row_off, offs_k, n_mask, k_mask, FMT)  # [BN, BK]
+        w = load_w_tile_k(wb_ptr, wh_ptr, row_off, k0, K, k_hi, n_mask, FMT, BLOCK_N, BLOCK_K)  # [BN, BK]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BM, BK]
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
@@ -174,7 +176,7 @@ def quant_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = No
     M = x2.shape[0]
     out_dtype = out_dtype or x.dtype
     wb, wh = _views(w)
-    fmt = WEIGHT_FORMATS[w.qtype]
+    fmt = weight_format(w.qtype, w.layout)
     stride_wn = wb.stride(0)
     if M == 0:
         return torch.empty(*lead, N, dtype=out_dtype, device=x.device)

@@ -277,9 +277,26 @@ def test_candidate_path_draws_what_the_full_vocabulary_path_draws():
         kmax = max(p.top_k for p in sp)
         seeds = [trial * 10 + b for b in range(S)]
         full = _sample_full(z.clone(), sp, [make_generator(s) for s in seeds])
-        cand = _sample_candidates(z.clone(), sp, kmax, [make_generator(s) for s in seeds])
-        if cand is None:  # a tie across the candidates' edge: sample() takes the full path
+        cand, tie = _sample_candidates(z.clone(), sp, kmax, [make_generator(s) for s in seeds])
+        if tie.any():  # a tie across the candidates' edge: sample() redraws on the full path
             ties += 1
             continue
         assert full.tolist() == cand.tolist(), (trial, [p.top_k for p in sp])
     assert 0 < ties < 30  # both paths were exercised
+
+
+def test_tie_at_the_candidate_edge_redraws_over_the_vocabulary() -> None:
+    """sample() with a tie across the top-k edge gives the full-vocabulary draw, with the row's
+    generator advanced exactly as the full path advances it."""
+    from swaserve.engine.sampling import _sample_full
+
+    z = torch.zeros(1, 64)
+    z[0, :3] = 2.0
+    z[0, 3:9] = 1.0  # top_k = 5 ends inside a run of equal logits
+    p = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+    want = _sample_full(z.clone(), [p], [make_generator(11)]).tolist()
+    g = make_generator(11)
+    got = sample(z.clone(), [SampleRow(p, g)]).token_ids
+    ref = make_generator(11)
+    _sample_full(z.clone(), [p], [ref])
+    assert got == want and torch.equal(g.get_state(), ref.get_state())

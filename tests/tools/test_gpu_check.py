@@ -46,9 +46,25 @@ def test_cpu_smoke_runs_every_check(tmp_path: Path) -> None:
         "q5_1 GEMV",
         "moe fused Q4_K/Q5_0",
         "moe fused IQ4_XS/IQ4_NL",
+        "decode step B=1",
+        "decode step B=3",
+        "max-size step",
+        "offload host buffer",
+        "logits F16 embed",
+        "kernel resources",
     ):
         assert group in table, f"{group!r} missing from\n{table}"
     assert "| FAIL |" not in table and "| SKIP |" not in table
+
+
+def test_dry_run_lists_the_quick_plan() -> None:
+    """--dry-run lists the GPU plan without a GPU: the issue-17 item-8 rows are in --quick."""
+    res = _run("--dry-run", "--quick")
+    assert res.returncode == 0, res.stdout + res.stderr
+    names = res.stdout.splitlines()
+    for name in ("decode step B=1", "decode step B=32", "max-size step", "offload host buffer", "logits F16",
+                 "kernel resources", "e2e B=1", "offload"):
+        assert name in names, f"{name!r} missing from {names}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the no-GPU message does not apply")

@@ -78,5 +78,15 @@ def dense_moe(layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act_dt
     return out
 
 
+# The offload backend's device paths: emulated on CPU tensors (Triton interpreter) without a GPU, the
+# real CUDA path (events, side stream, mapped host memory) with one; tests pick both consistently
+OFFLOAD_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OFFLOAD_EMULATE = not torch.cuda.is_available()
+
+
+def on_offload_dev(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(OFFLOAD_DEV) for t in ts)
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
