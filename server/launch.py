@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 400 to unknown request fields (default: ignore them with a warning)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="CORS: origins allowed to call the API from a browser ('*': any; default: no CORS)")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="without an API key, Host names (besides loopback and --host) that may POST to the "
+                        "admin routes /flush_cache and /reset_prefix_cache; * = any (default: none)")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
                         "(visible in `ps`: prefer --api-key-file or SWASERVE_API_KEY)")
@@ -130,6 +133,14 @@ def _origins(values: list[str] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _allowed_hosts(values: list[str] | None, bind: str) -> tuple[str, ...]:
+    """--allowed-hosts, plus the --host address when it names one host (not 0.0.0.0 / ::)."""
+    hosts = [v.strip() for v in values or [] if v.strip()]
+    if bind not in ("0.0.0.0", "::", ""):
+        hosts.append(bind)
+    return tuple(dict.fromkeys(hosts))
+
+
 def _chat_template(path: str | None) -> str | None:
     if path is None:
         return None
@@ -191,6 +202,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
                         chat_template=_chat_template(args.chat_template),
                         allowed_origins=_origins(args.allowed_origins),
+                        allowed_hosts=_allowed_hosts(getattr(args, "allowed_hosts", None), args.host),
                         max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
                         max_stop_sequences=getattr(args, "max_stop_sequences", DEFAULT_MAX_STOP),
                         disable_docs=getattr(args, "disable_docs", False),

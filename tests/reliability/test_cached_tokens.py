@@ -64,9 +64,10 @@ def test_cached_tokens_is_the_page_aligned_shared_prefix(live: Any, rel_engine: 
 
 @pytest.fixture(scope="module")
 def small() -> Iterator[tuple[Any, LiveServer]]:
-    # about the least KV that runs 6 windows: eight concurrent requests of ~150-250 tokens + 40 generated cannot all run
-    eng = make_engine("--max-total-tokens", "720", "--swa-full-tokens-ratio", "1", "--max-running-requests", "6",
-                      "--chunked-prefill-size", "96")
+    # about the least KV that runs 6 windows: eight concurrent requests of ~150-250 tokens + 40
+    # generated cannot all run
+    eng = make_engine("--max-total-tokens", "720", "--swa-full-tokens-ratio", "1",
+                      "--max-running-requests", "6", "--chunked-prefill-size", "96")
     s = LiveServer(build_app(eng, server_config_from_args(serve_args("--enable-cache-report"))))
     yield eng, s
     s.stop()
@@ -94,7 +95,8 @@ def test_cached_tokens_exact_under_preemption_and_swa_pressure(small: tuple[Any,
         prompts = []
         for i in range(24):
             b = bases[i % 3]
-            prompts.append(b[:rng.randint(100, 250)] + [rng.randrange(3, V) for _ in range(rng.randint(1, 30))])
+            tail = [rng.randrange(3, V) for _ in range(rng.randint(1, 30))]
+            prompts.append(b[:rng.randint(100, 250)] + tail)
         pre0 = core.scheduler.num_preemptions
         evicted0 = core.cache.evicted_swa_pages
         with s.http() as http, ThreadPoolExecutor(8) as pool:

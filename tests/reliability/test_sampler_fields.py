@@ -68,4 +68,5 @@ def test_every_sampling_field_reaches_the_sampler(live: Any, rel_engine: Any, re
     if route != "responses":
         assert p.logit_bias == ((prompt[1], 2.5),)
         assert p.logprobs == 2 and p.min_tokens == 3 and 5 in p.stop_token_ids
-        assert len(rows) == 4 and [row[4] for row in rows] == [[5], [5], [5], []]  # stop ids banned for 3 tokens
+        # the stop ids are banned for the first 3 tokens
+        assert len(rows) == 4 and [row[4] for row in rows] == [[5], [5], [5], []]
