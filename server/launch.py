@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from swaserve.engine.args import bounded_number
 from swaserve.engine.core import MAX_STOP_STRINGS
 from swaserve.server.app import build_app
+from swaserve.server.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
 from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
 from swaserve.server.state import ServerConfig
@@ -71,6 +72,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
                                                   "as OpenAI)")
     g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--max-connections", type=bounded_number("--max-connections", int, min=1), default=None,
+                   metavar="N", help="open connections beyond N get a 503 and are closed at once (default: "
+                   "below the open-file limit, at most 4096)")
+    g.add_argument("--request-read-timeout", type=bounded_number("--request-read-timeout", float, min=0),
+                   default=DEFAULT_READ_TIMEOUT, metavar="S",
+                   help="seconds a client has to send a whole request, from its connection or its previous "
+                        f"response; 0 = no limit (default {DEFAULT_READ_TIMEOUT:g})")
     g.add_argument("--shutdown-timeout", type=bounded_number("--shutdown-timeout", float, min=0),
                    default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds running requests get to finish before they end with a 503 "
@@ -244,8 +252,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(load, server_cfg)
     state = app.state.swa
+    policy = ConnectionPolicy(args.max_connections or default_max_connections(), args.request_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5, http=policy.protocol())
     from swaserve.server.shutdown import GracefulServer
 
     server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/shutdown.py)
