@@ -89,12 +89,12 @@ def test_half_sent_requests_time_out(policy_server: Any) -> None:
 
 
 def test_long_generation_is_not_cut(policy_server: Any) -> None:
-    s, p = policy_server(64, 0.2)
+    s, p = policy_server(64, 0.05)
     with s.http() as h:
         t0 = time.monotonic()
-        r = h.post("/v1/completions", json={"prompt": "a", "max_tokens": 60, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
-        if time.monotonic() - t0 < 0.4:
+        r = h.post("/v1/completions", json={"prompt": "a", "max_tokens": 150, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 150
+        if time.monotonic() - t0 < 0.15:
             pytest.skip("generation faster than the deadline: nothing shown")
     assert p.timed_out_total == 0
 
