@@ -35,7 +35,7 @@ def _read_all(c: socket.socket, timeout: float = 10) -> bytes:
     while True:
         try:
             chunk = c.recv(65536)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             break
         if not chunk:
             break
@@ -65,11 +65,11 @@ def test_half_sent_requests_time_out(policy_server: Any) -> None:
     half_header.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-")
     half_body = _connect(s)
     body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
-    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                      b"content-length: %d\r\n\r\n" % len(body) + body[:5])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    half_body.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[:5])
     trickle = _connect(s)  # slowloris: a byte every 0.3 s never completes the headers
     t0 = time.monotonic()
-    for i, b in enumerate(b"GET /health HTTP/1.1\r\nX: "):
+    for b in b"GET /health HTTP/1.1\r\nX: ":
         if time.monotonic() - t0 > 2.5:
             break
         try:
