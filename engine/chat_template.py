@@ -150,10 +150,12 @@ def _common_prefix_len(a: str, b: str) -> int:
 class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
-    def __init__(self, template_source: str, tokenizer: TemplateTokenizer) -> None:
+    def __init__(self, template_source: str, tokenizer: TemplateTokenizer,
+                 name: str = "the model's chat template (tokenizer.chat_template)") -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
         self.source = template_source
+        self.name = name  # in error messages (the server's 400s)
         self.tokenizer = tokenizer
         try:
             self._template = make_environment().from_string(template_source)

@@ -20,6 +20,7 @@ from swaserve.server.common import (
 )
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields
+from swaserve.server.offload import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.state import ServerState
@@ -89,7 +90,7 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    prompts = _prompts(req, engine.tokenizer)
+    prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), {"top_logprobs": "logprobs"},
                           max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
+from swaserve.server.offload import run_cpu
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -70,7 +69,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         if body.continue_final_message:
             add_gen = False
         template = state.chat_template()
-        rendered = await asyncio.to_thread(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
+        rendered = await run_cpu(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
                                            body.continue_final_message)
         ids = list(rendered.token_ids)
         starts = list(rendered.message_starts)

@@ -133,7 +133,8 @@ class ServerState:
             if self._template is None:
                 from swaserve.engine.chat_template import ChatTemplate
 
-                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer)
+                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
+                                              name="the --chat-template template")
             return self._template
         if engine.chat_template is None:
             raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "
