@@ -44,6 +44,7 @@ def install_openapi(app: FastAPI, admin_paths: tuple[str, ...]) -> None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        _document_bodies(app, doc, schemas)
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         schemas["ErrorResponse"] = ERROR_SCHEMA
@@ -62,3 +63,24 @@ def install_openapi(app: FastAPI, admin_paths: tuple[str, ...]) -> None:
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_bodies(app: FastAPI, doc: dict[str, Any], schemas: dict[str, Any]) -> None:
+    """Request bodies parsed off the event loop (server/offload.py json_body) are dependencies, which
+    FastAPI does not document: add each route's model as its requestBody."""
+    for route in app.routes:
+        dependant = getattr(route, "dependant", None)
+        if dependant is None:
+            continue
+        for dep in dependant.dependencies:
+            model = getattr(dep.call, "model", None)
+            if model is None:
+                continue
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            for method in route.methods:
+                op = doc.get("paths", {}).get(route.path, {}).get(method.lower())
+                if op is not None:
+                    op["requestBody"] = {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}

@@ -8,6 +8,7 @@ kept in `model_extra`: the routes log them in one warning line, or answer 400 na
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -48,7 +49,13 @@ class RequestBody(Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
-        at = lone_surrogate_path(data)
+        try:  # one C-speed pass; the path is looked for only when there is a surrogate
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+            return data
+        except UnicodeEncodeError:
+            at = lone_surrogate_path(data)
+        except (TypeError, ValueError):  # not plain JSON data: let the fields' validation speak
+            return data
         if at is not None:
             raise PydanticCustomError(
                 "lone_surrogate", "{where} contains a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "

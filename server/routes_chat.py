@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from swaserve.engine.core import GrammarSpec, RequestOutput
@@ -15,7 +15,7 @@ from swaserve.server.chat_choice import ChatChoice
 from swaserve.server.common import RequestTracker, RouteCtx, TokenText, chat_logprobs, tracked, usage_dict
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields
-from swaserve.server.offload import run_cpu
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.reasoning import ChatOutputParser
@@ -59,7 +59,8 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+                           request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _chat(state, body, request, rid, tracker))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
-from swaserve.server.offload import run_cpu
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -52,7 +54,8 @@ async def model(model_id: str, request: Request) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
+                   request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
@@ -85,7 +88,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+async def detokenize(body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
+                     request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(body.model)

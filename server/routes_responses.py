@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError
@@ -24,7 +24,7 @@ from swaserve.server.chat_choice import ChatChoice
 from swaserve.server.common import RequestTracker, tracked
 from swaserve.server.errors import APIError, bad_request, from_exception
 from swaserve.server.leniency import check_fields
-from swaserve.server.offload import run_cpu
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.reasoning import ChatOutputParser, ParsedDelta
@@ -58,7 +58,8 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 @router.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request) -> Response:
+async def responses(body: Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))],
+                    request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"resp_{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _respond(state, body, request, rid, tracker))
