@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,24 @@ async def run_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_executor(), call)
 
 
+def _validate(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        # pydantic's JSON parser refuses a lone surrogate escape as malformed JSON; Python's json accepts
+        # it, so the model's own check (server/protocol.py) can name the field that holds it
+        errors = e.errors(include_url=False)
+        escape = any(err.get("type") == "json_invalid"
+                     and "escape" in str((err.get("ctx") or {}).get("error")) for err in errors)
+        if not escape:
+            raise
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise e from None
+    return model.model_validate(data)
+
+
 def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     """A FastAPI dependency: the request body parsed and validated as `model` on a worker thread
     (pydantic's model_validate_json: JSON and validation in one pass), not on the event loop as a body
@@ -46,7 +65,7 @@ def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     async def parse(request: Request) -> M:
         raw = await request.body()
         try:
-            return await run_cpu(model.model_validate_json, raw)
+            return await run_cpu(_validate, model, raw)
         except ValidationError as e:
             errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors(include_url=False)]
             if not raw.strip():

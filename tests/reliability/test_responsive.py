@@ -10,7 +10,6 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -43,9 +42,8 @@ def proc_server(tmp_path_factory: Any) -> Iterator[LiveServer]:
 
 
 def _stream_gaps(url: str, n: int, out: list[float], started: threading.Event | None = None) -> None:
-    with httpx.Client(base_url=url, timeout=120) as h, h.stream(
-            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": n, "ignore_eos": True, "stream": True,
-                                             "temperature": 0}) as r:
+    body = {"prompt": "a", "max_tokens": n, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=120) as h, h.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         last = None
         for line in r.iter_lines():
@@ -131,10 +129,17 @@ def test_loop_stays_responsive_under_hostile_requests(proc_server: LiveServer, m
     assert "longer than" in body["error"]["message"]
     status, body = results["many"]
     assert status in (200, 400), body  # 20,000 short messages may exceed the context: a 400, not a hang
-    idle_gap = statistics.median(idle_gaps)
-    gap = statistics.median(gaps)
-    print(f"health ms idle max {1e3 * max(idle_health):.1f}, loaded max {1e3 * max(health):.1f} "
-          f"p50 {1e3 * statistics.median(health):.1f}; gap ms idle {1e3 * idle_gap:.1f} loaded {1e3 * gap:.1f}")
+    # the mean gap (a stall shows there even when tokens then arrive bunched) and the 95th percentile
+    idle_gap, gap = statistics.fmean(idle_gaps), statistics.fmean(gaps)
+    idle_p95, p95 = _p95(idle_gaps), _p95(gaps)
+    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded max {1e3 * max(health):.1f}; gap ms: "
+          f"idle mean {1e3 * idle_gap:.1f} p95 {1e3 * idle_p95:.1f}, loaded mean {1e3 * gap:.1f} "
+          f"p95 {1e3 * p95:.1f}")
     assert len(health) >= 10
     assert max(health) < max(0.1, 2 * max(idle_health)), sorted(health)[-5:]
-    assert gap <= 2 * idle_gap + 0.01, (gap, idle_gap)
+    assert gap <= 2 * idle_gap + 0.005, (gap, idle_gap)
+    assert p95 <= 2 * idle_p95 + 0.02, (p95, idle_p95)
+
+
+def _p95(xs: list[float]) -> float:
+    return sorted(xs)[int(0.95 * (len(xs) - 1))]
