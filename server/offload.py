@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -17,17 +18,25 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from swaserve.server.errors import APIError
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 WORKERS = max(2, min(8, os.cpu_count() or 2))
+SWITCH_INTERVAL_S = 0.001
 _pool: ThreadPoolExecutor | None = None
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
+        # a worker busy in pure Python (a template, a tokenizer) holds the GIL until the interpreter asks it
+        # to switch; the event loop needs it a few dozen times per request, so a 5 ms interval (the
+        # default) turns into 100+ ms pauses of /health and streams: 1 ms keeps them short
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="swaserve-cpu")
     return _pool
 
@@ -63,7 +72,11 @@ def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     RequestValidationError a body parameter raises, so they become the same 400s."""
 
     async def parse(request: Request) -> M:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone, or cut by the body limit (its 413 is already sent)
+            raise APIError(400, "the client went away before sending the whole body", None,
+                           "client_disconnected") from None
         try:
             return await run_cpu(_validate, model, raw)
         except ValidationError as e:
