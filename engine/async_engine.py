@@ -41,6 +41,8 @@ class AsyncEngine:
         self.context_length = core.context_length
         self.generation_defaults = dict(core.generation_defaults)  # the GGUF's general.sampling.* values
         self._submit_q: queue.SimpleQueue[list[Req]] = queue.SimpleQueue()
+        self._pending_choices = 0  # choices submitted, not yet taken by the loop thread (max_queued_requests)
+        self._pending_lock = threading.Lock()
         self._abort_q: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self._state_q: queue.SimpleQueue[tuple[int, asyncio.Future]] = queue.SimpleQueue()
@@ -108,6 +110,8 @@ class AsyncEngine:
                 reqs = self._submit_q.get_nowait()
             except queue.Empty:
                 break
+            with self._pending_lock:
+                self._pending_choices -= len(reqs)
             try:
                 self.core.add_reqs(reqs)
             except RequestError as e:
@@ -166,8 +170,11 @@ class AsyncEngine:
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.core.config.scheduler.max_queued_requests
-        if self.core.num_waiting() + self._submit_q.qsize() >= limit:
-            raise EngineOverloaded(f"the engine queue is full ({limit} requests waiting)")
+        with self._pending_lock:  # choices (n per request) waiting or in transit, this request's included
+            if self.core.num_waiting() + self._pending_choices + len(reqs) > limit:
+                raise EngineOverloaded(f"the engine queue is full (at most {limit} choices wait; this "
+                                       f"request has {len(reqs)})")
+            self._pending_choices += len(reqs)
         if self._thread is None:
             self.start()
         q: asyncio.Queue = asyncio.Queue()

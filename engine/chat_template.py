@@ -8,7 +8,6 @@ The environment matches what HF-style templates expect (trim_blocks, lstrip_bloc
 from __future__ import annotations
 
 import bisect
-import datetime
 import hashlib
 import json
 import threading
@@ -18,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from swaserve.engine.template_sandbox import RenderLimit, make_environment, render_bounded, render_budget
 
 
 class TemplateTokenizer(Protocol):
@@ -44,48 +42,6 @@ class ChatPrompt:
     token_ids: list[int]
     message_starts: list[int]  # token offset where message i starts
     char_starts: list[int] = field(default_factory=list)  # character offset where message i starts
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (HF assistant-mask marker): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        # fail at once instead of returning an Undefined that only fails when used further
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-def make_environment(undefined: type[jinja2.Undefined] = jinja2.Undefined) -> ImmutableSandboxedEnvironment:
-    """The sandboxed jinja2 environment used for chat templates."""
-    env = _Sandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag], loader=None,
-        undefined=undefined,
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -194,10 +150,12 @@ def _common_prefix_len(a: str, b: str) -> int:
 class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
-    def __init__(self, template_source: str, tokenizer: TemplateTokenizer) -> None:
+    def __init__(self, template_source: str, tokenizer: TemplateTokenizer,
+                 name: str = "the model's chat template (tokenizer.chat_template)") -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
         self.source = template_source
+        self.name = name  # in error messages (the server's 400s)
         self.tokenizer = tokenizer
         try:
             self._template = make_environment().from_string(template_source)
@@ -223,7 +181,9 @@ class ChatTemplate:
             bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
         )
         try:
-            return template.render(**ctx)
+            return render_bounded(template, ctx)
+        except RenderLimit as e:
+            raise RenderLimit(f"chat template error: {e}") from None
         except jinja2.TemplateError as e:  # includes SecurityError and raise_exception()
             raise ValueError(f"chat template error: {e.message or type(e).__name__}") from None
         except (TypeError, AttributeError, LookupError, ValueError, ArithmeticError, RecursionError) as e:
@@ -234,8 +194,9 @@ class ChatTemplate:
         """Render, tokenize, and locate the token offset at which each message starts."""
         msgs = normalize_messages(messages)
         tls = normalize_tools(tools)
-        text = self.render_text(msgs, tls, add_generation_prompt, **kwargs)
-        chars = self._char_starts(msgs, tls, text, kwargs)
+        with render_budget():  # the render and its message-start probes share one deadline
+            text = self.render_text(msgs, tls, add_generation_prompt, **kwargs)
+            chars = self._char_starts(msgs, tls, text, kwargs)
         tok = self.tokenizer
         ids, spans = tok.encode_with_offsets(text)
         shift = 0
@@ -263,6 +224,8 @@ class ChatTemplate:
                 out = self._render(self._template, [*msgs, _PROBE], tools, False, kwargs)
             else:
                 out = self._render(self._template, msgs, tools, False, kwargs)
+        except RenderLimit:
+            raise  # over the budget: the whole render fails
         except ValueError:
             out = None
         with self._lock:
@@ -283,6 +246,8 @@ class ChatTemplate:
         first = {"role": "user", "content": "\x01"}
         try:
             base = self._render(self._template, [first], tools, False, kwargs)
+        except RenderLimit:
+            raise
         except ValueError:
             base = None
         for role in ROLES:
@@ -291,6 +256,8 @@ class ChatTemplate:
             try:
                 pair = [first, {"role": role, "content": "\x02"}]
                 x = self._render(self._template, pair, tools, False, kwargs)
+            except RenderLimit:
+                raise
             except ValueError:
                 continue
             start, end = _common_prefix_len(base, x), x.find("\x02")

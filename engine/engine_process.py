@@ -24,6 +24,7 @@ before any output. Importing this module does not import torch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing as mp
@@ -187,6 +188,7 @@ class EngineClient:
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._sent = 0  # submissions sent (the engine's stats count the ones it has taken)
+        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()  # (submission, choices)
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._dead: str | None = None
         self._closing = False
@@ -299,11 +301,17 @@ class EngineClient:
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.scheduler.max_queued_requests
-        if self._stats["waiting"] + (self._sent - self._stats.get("submitted", 0)) >= limit:
-            raise EngineOverloaded(f"the engine queue is full ({limit} requests waiting)")
+        taken = self._stats.get("submitted", 0)
+        while self._in_transit and self._in_transit[0][0] <= taken:  # the engine has queued these
+            self._in_transit.popleft()
+        in_transit = sum(n for _, n in self._in_transit)  # choices (n per request), not requests
+        if self._stats["waiting"] + in_transit + params.n > limit:
+            raise EngineOverloaded(f"the engine queue is full (at most {limit} choices wait; this request "
+                                   f"has {params.n})")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._sent += 1
+        self._in_transit.append((self._sent, params.n))
         ids = [int(t) for t in prompt_ids]
         self._outgoing.put(("add", self._sent, request_id, ids, params, tuple(anchors)))
         done: set[int] = set()

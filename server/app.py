@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
+from swaserve.server.admin_guard import ADMIN_PATHS, AdminGuard
 from swaserve.server.auth import check_api_key
 from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.limits import BodyLimit
+from swaserve.server.openapi_doc import install_openapi
 from swaserve.server.routes_chat import router as chat_router
 from swaserve.server.routes_completions import router as completions_router
 from swaserve.server.routes_misc import router as misc_router
@@ -82,9 +84,12 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
+    install_openapi(app, ADMIN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+    else:  # no key: admin POSTs only from this host's names / allowed origins (server/admin_guard.py)
+        app.add_middleware(AdminGuard, allowed_hosts=cfg.allowed_hosts, allowed_origins=cfg.allowed_origins)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key
         from starlette.middleware.cors import CORSMiddleware
 

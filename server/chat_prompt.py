@@ -166,8 +166,9 @@ def render(template: Any, messages: list[dict[str, Any]], tools: list[dict[str, 
                               "continue_final_message")
     try:
         prompt = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-    except ValueError as e:
-        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    except ValueError as e:  # a template error, or its render budget (engine/template_sandbox.py)
+        name = getattr(template, "name", "the chat template")
+        raise bad_request(f"cannot apply {name}: {e}", "messages", "chat_template_error") from None
     if not continue_final_message:
         return prompt
     final = (messages[-1].get("content") or "").strip()

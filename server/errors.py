@@ -115,6 +115,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         ctx = err.get("ctx") or {}
         detail = ctx.get("error", err.get("msg", ""))
         return bad_request(f"malformed JSON body: {detail}", None, "json_invalid")
+    if kind == "lone_surrogate":  # server/protocol.py RequestBody: the path is in the message
+        where = (err.get("ctx") or {}).get("where")
+        param = where if where != "body" else None
+        return bad_request(err.get("msg", "invalid Unicode"), param, "invalid_unicode")
     param = _param_from_loc(tuple(err.get("loc", ())))
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param} (not supported by this server)",

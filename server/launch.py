@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from swaserve.engine.args import bounded_number
 from swaserve.engine.core import MAX_STOP_STRINGS
 from swaserve.server.app import build_app
+from swaserve.server.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
 from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
 from swaserve.server.state import ServerConfig
@@ -55,6 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 400 to unknown request fields (default: ignore them with a warning)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="CORS: origins allowed to call the API from a browser ('*': any; default: no CORS)")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="without an API key, Host names (besides loopback and --host) that may POST to the "
+                        "admin routes /flush_cache and /reset_prefix_cache; * = any (default: none)")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
                         "(visible in `ps`: prefer --api-key-file or SWASERVE_API_KEY)")
@@ -68,6 +72,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
                                                   "as OpenAI)")
     g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--max-connections", type=bounded_number("--max-connections", int, min=1), default=None,
+                   metavar="N", help="open connections beyond N get a 503 and are closed at once (default: "
+                   "below the open-file limit, at most 4096)")
+    g.add_argument("--request-read-timeout", type=bounded_number("--request-read-timeout", float, min=0),
+                   default=DEFAULT_READ_TIMEOUT, metavar="S",
+                   help="seconds a client has to send a whole request, from its connection or its previous "
+                        f"response; 0 = no limit (default {DEFAULT_READ_TIMEOUT:g})")
     g.add_argument("--shutdown-timeout", type=bounded_number("--shutdown-timeout", float, min=0),
                    default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds running requests get to finish before they end with a 503 "
@@ -128,6 +139,14 @@ def _origins(values: list[str] | None) -> tuple[str, ...]:
         else:
             out.extend(x.strip() for x in v.split(",") if x.strip())
     return tuple(out)
+
+
+def _allowed_hosts(values: list[str] | None, bind: str) -> tuple[str, ...]:
+    """--allowed-hosts, plus the --host address when it names one host (not 0.0.0.0 / ::)."""
+    hosts = [v.strip() for v in values or [] if v.strip()]
+    if bind not in ("0.0.0.0", "::", ""):
+        hosts.append(bind)
+    return tuple(dict.fromkeys(hosts))
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -191,6 +210,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
                         chat_template=_chat_template(args.chat_template),
                         allowed_origins=_origins(args.allowed_origins),
+                        allowed_hosts=_allowed_hosts(getattr(args, "allowed_hosts", None), args.host),
                         max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
                         max_stop_sequences=getattr(args, "max_stop_sequences", DEFAULT_MAX_STOP),
                         disable_docs=getattr(args, "disable_docs", False),
@@ -232,8 +252,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(load, server_cfg)
     state = app.state.swa
+    policy = ConnectionPolicy(args.max_connections or default_max_connections(), args.request_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5, http=policy.protocol())
     from swaserve.server.shutdown import GracefulServer
 
     server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/shutdown.py)

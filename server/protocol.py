@@ -8,13 +8,59 @@ kept in `model_extra`: the routes log them in one warning line, or answer 400 na
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
+
+# after json.loads a valid surrogate pair is one character: what is left in this range is a lone half,
+# which is not Unicode (it cannot be encoded as UTF-8, so it could not be echoed, logged or rendered)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def lone_surrogate_path(obj: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string, key included, holding a lone surrogate."""
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, str):
+            if _SURROGATE.search(x):
+                return at or "body"
+        elif isinstance(x, dict):
+            for k, v in reversed(list(x.items())):
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return at or "body"
+                stack.append((v, f"{at}.{k}" if at else str(k)))
+        elif isinstance(x, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+class RequestBody(Lenient):
+    """A whole request body: lone UTF-16 surrogates (`"\\ud800"` without its pair) are refused, naming
+    where they are, before any field is read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        try:  # one C-speed pass; the path is looked for only when there is a surrogate
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+            return data
+        except UnicodeEncodeError:
+            at = lone_surrogate_path(data)
+        except (TypeError, ValueError):  # not plain JSON data: let the fields' validation speak
+            return data
+        if at is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "{where} contains a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                "without its pair), which is not valid Unicode", {"where": at})
+        return data
 
 
 class StreamOptions(Lenient):
@@ -88,7 +134,7 @@ class ResponseFormat(Lenient):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(Lenient):
+class SamplingFields(RequestBody):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -108,7 +154,7 @@ class SamplingFields(Lenient):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    stream: bool = False
+    stream: StrictBool = False  # "yes" / 1 are refused, not read as true
     stream_options: StreamOptions | None = None
     # no-ops (see server/leniency.py NO_OPS)
     user: str | None = None
@@ -163,7 +209,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -174,6 +220,6 @@ class TokenizeRequest(Lenient):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(Lenient):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from swaserve.engine.core import GrammarSpec, RequestOutput
@@ -16,6 +15,7 @@ from swaserve.server.chat_choice import ChatChoice
 from swaserve.server.common import RequestTracker, RouteCtx, TokenText, chat_logprobs, tracked, usage_dict
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.reasoning import ChatOutputParser
@@ -59,7 +59,8 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+                           request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _chat(state, body, request, rid, tracker))
@@ -78,7 +79,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if req.audio is not None or "audio" in (req.modalities or []):
         raise bad_request("audio output is not supported (text only)", "audio" if req.audio else "modalities")
-    cp = await asyncio.to_thread(plan_chat, state, req)
+    cp = await run_cpu(plan_chat, state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from swaserve.engine.core import RequestOutput
@@ -20,6 +20,7 @@ from swaserve.server.common import (
 )
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.state import ServerState
@@ -70,7 +71,8 @@ class _Choice:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
+async def completions(body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
+                      request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"cmpl-{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _complete(state, body, request, rid, tracker))
@@ -89,7 +91,7 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    prompts = _prompts(req, engine.tokenizer)
+    prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), {"top_logprobs": "logprobs"},
                           max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)

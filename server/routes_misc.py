@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -53,7 +54,8 @@ async def model(model_id: str, request: Request) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
+                   request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
@@ -70,7 +72,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         if body.continue_final_message:
             add_gen = False
         template = state.chat_template()
-        rendered = await asyncio.to_thread(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
+        rendered = await run_cpu(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
                                            body.continue_final_message)
         ids = list(rendered.token_ids)
         starts = list(rendered.message_starts)
@@ -86,7 +88,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+async def detokenize(body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
+                     request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(body.model)

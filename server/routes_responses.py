@@ -11,13 +11,12 @@ response.completed (or response.incomplete with incomplete_details.reason max_ou
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError
@@ -25,6 +24,7 @@ from swaserve.server.chat_choice import ChatChoice
 from swaserve.server.common import RequestTracker, tracked
 from swaserve.server.errors import APIError, bad_request, from_exception
 from swaserve.server.leniency import check_fields
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.reasoning import ChatOutputParser, ParsedDelta
@@ -58,7 +58,8 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 @router.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request) -> Response:
+async def responses(body: Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))],
+                    request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"resp_{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _respond(state, body, request, rid, tracker))
@@ -72,7 +73,7 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     if req.n != 1:
         raise bad_request("n must be 1 for /v1/responses", "n")
     chat_req = _chat_request(req)
-    cp: ChatPlan = await asyncio.to_thread(plan_chat, state, chat_req)
+    cp: ChatPlan = await run_cpu(plan_chat, state, chat_req)
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}
     params = build_params(req, req.max_output_tokens, None, engine.tokenizer.vocab_size,

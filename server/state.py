@@ -36,6 +36,7 @@ class ServerConfig:
     default_sampling: tuple[tuple[str, float], ...] = ()  # --default-sampling (over the GGUF's defaults)
     chat_template: str | None = None  # --chat-template: replaces (or supplies) the GGUF's template
     allowed_origins: tuple[str, ...] = ()  # CORS; empty = no CORS headers
+    allowed_hosts: tuple[str, ...] = ()  # Host names admin POSTs may carry without a key, besides loopback
     max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
     disable_docs: bool = False  # no /openapi.json
@@ -132,7 +133,8 @@ class ServerState:
             if self._template is None:
                 from swaserve.engine.chat_template import ChatTemplate
 
-                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer)
+                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
+                                              name="the --chat-template template")
             return self._template
         if engine.chat_template is None:
             raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "

@@ -28,14 +28,14 @@ POOL_ARGS = ["--max-total-tokens", "262144", "--swa-full-tokens-ratio", "0.5", "
 class LiveServer:
     """uvicorn.Server on an already-bound socket, run in a daemon thread."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, **config: Any):
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, log_level="warning", access_log=False, log_config=None)
+        cfg = uvicorn.Config(app, log_level="warning", access_log=False, log_config=None, **config)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
