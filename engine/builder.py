@@ -26,12 +26,12 @@ from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fing
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported, measure_graph_memory
+from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier import KVTier
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
-from swaserve.engine.peak_step import reserve_peak_step
+from swaserve.engine.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
 from swaserve.engine.tokenizer import Tokenizer
 

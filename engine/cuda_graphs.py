@@ -46,28 +46,6 @@ def graphs_supported(model: Any) -> bool:
             and getattr(model.moe, "graph_safe", False))
 
 
-def measure_graph_memory(bundle: Any, cfg: Any) -> int:
-    """CUDA, before the KV pools are sized: the transient bytes of the largest bucket's decode step (what
-    the graphs' private memory pool will hold), measured by running it eagerly over a small temporary
-    pool. The builder holds that many bytes while it sizes and allocates the pools."""
-    from swaserve.engine.attention.kv_pool import resolve_kv_dtype
-    from swaserve.engine.model_runner import build_metadata
-    from swaserve.engine.peak_step import peak_batch
-
-    device, mcfg, P = bundle.device, bundle.config, cfg.cache.page_size
-    n = cfg.scheduler.max_running_requests
-    batch, pages = peak_batch(1, n - 1, P)  # n rows of one new token each
-    pool = KVPool(mcfg, pages, pages, P, resolve_kv_dtype(cfg.cache.kv_cache_dtype, device), device)
-    meta = build_metadata(batch, P, mcfg.sliding_window, device)
-    ids = torch.zeros(n, dtype=torch.int64, device=device)
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    bundle.model.logits(bundle.model.forward(ids, meta, pool))
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
 class DecodeGraphs:
     def __init__(self, model: Any, pool: KVPool, page_size: int, window: int, device: torch.device,
                  max_batch: int, max_pages: int, capture: bool):

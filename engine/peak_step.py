@@ -90,3 +90,21 @@ def reserve_peak_step(bundle: ModelBundle, cfg: EngineConfig) -> int:
     log.info("peak step (%d-token chunk + %d decodes): %.0f MiB kept for activations",
              cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests, peak / 2**20)
     return peak
+
+
+def measure_graph_memory(bundle: ModelBundle, cfg: EngineConfig) -> int:
+    """CUDA, before the KV pools are sized: the transient bytes of the largest bucket's decode step (what
+    the graphs' private memory pool will hold), measured by running it eagerly over a small temporary
+    pool. The builder holds that many bytes while it sizes and allocates the pools."""
+    device, mcfg, P = bundle.device, bundle.config, cfg.cache.page_size
+    n = cfg.scheduler.max_running_requests
+    batch, pages = peak_batch(1, n - 1, P)  # n rows of one new token each
+    pool = KVPool(mcfg, pages, pages, P, resolve_kv_dtype(cfg.cache.kv_cache_dtype, device), device)
+    meta = build_metadata(batch, P, mcfg.sliding_window, device)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    bundle.model.logits(bundle.model.forward(ids, meta, pool))
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base

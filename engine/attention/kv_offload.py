@@ -34,7 +34,8 @@ from swaserve.engine.attention.kv_pool import ArenaKVPool
 MAGIC = b"SWAKVT01"
 FILE_NAME = "swaserve-kv.tier"
 FILE_HEADER = 4096
-FILE_HEAD = struct.Struct("<8s16sQQQQQ")  # magic, fingerprint, blocks, full per block, page bytes x2, payload off
+# magic, fingerprint, blocks, full pages per block, page bytes (full, swa), payload offset
+FILE_HEAD = struct.Struct("<8s16sQQQQQ")
 REC = struct.Struct("<4sB3x16s16sIQ")  # magic, kind, key, fingerprint, crc32, payload bytes
 REC_BYTES = 64
 REC_MAGIC = b"KVR1"
@@ -98,9 +99,9 @@ class MmapTierIO:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
             os.close(self.fd)
-            raise RuntimeError(f"{self.path} is in use by another process (one --kv-offload-dir per server)")
+            raise RuntimeError(f"{self.path} is in use by another process (one --kv-offload-dir per server)") from e
         head = FILE_HEAD.pack(MAGIC, fp, num_blocks, k, self.page_bytes["full"], self.page_bytes["swa"],
                               self.payload_off)
         self.reinitialised = False

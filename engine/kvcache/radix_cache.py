@@ -117,7 +117,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])
 
-    def probe(self, token_ids: Sequence[int], max_pages: int) -> tuple[list[int], list[int | None], list[bytes]]:
+    def probe(self, token_ids: Sequence[int], max_pages: int
+              ) -> tuple[list[int], list[int | None], list[bytes]]:
         """The tree's pages along token_ids' path, at most max_pages: full ids, SWA ids (None where
         evicted) and, with a tier, the pages' keys. Changes nothing (for planning a promotion)."""
         P = self.page_size

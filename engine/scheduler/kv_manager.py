@@ -49,7 +49,8 @@ class KVManager:
         gained = promote(self, req.token_ids) if self.tier is not None else 0
         m = self.cache.match(req.token_ids)
         if req.cached_tokens is None:  # the part of the reported reuse the tier served
-            req.offload_cached = min(m.reused_len, req.prompt_len) - min(m.reused_len - gained, req.prompt_len)
+            reused = min(m.reused_len, req.prompt_len)
+            req.offload_cached = reused - min(m.reused_len - gained, req.prompt_len)
         if self.on_admit is not None:
             self.on_admit(req, m)
         self.cache.lock(m.handle)

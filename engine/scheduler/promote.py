@@ -64,7 +64,8 @@ def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, i
 
 
 def promote(kv: KVManager, ids: Sequence[int]) -> int:
-    """Bring the tier's pages for the prompt `ids` into the tree; returns the prompt tokens of reuse gained."""
+    """Bring the tier's pages for the prompt `ids` into the tree; returns the prompt tokens of reuse
+    gained."""
     cache, tier, P = kv.cache, kv.tier, kv.page_size
     assert isinstance(cache, SWARadixCache) and tier is not None
     p, base, k, keys = plan(cache, tier, ids)
