@@ -158,7 +158,7 @@ def test_loopback_affinity_failover_and_ctrl_c(tmp_path):
 
         victim, survivor = fleet.replica_urls[1], fleet.replica_urls[0]
         drill = asyncio.run(failover_drill(fleet.url, model, victim, fleet.replica_pid(victim), {survivor},
-                                           tpw, long_tokens=160, in_flight=2, clients=2, rejoin_timeout=240))
+                                           tpw, long_tokens=1200, in_flight=2, clients=2, rejoin_timeout=240))
         print(drill)
         for r in drill["in_flight_streams"]:  # cut streams end with an error event, never hang
             assert r["outcome"] in ("error event + [DONE]", "ok"), drill

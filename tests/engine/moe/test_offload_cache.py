@@ -143,5 +143,14 @@ def test_cache_ordering_with_held_back_events() -> None:
             y = moe.forward(li, *on_offload_dev(x, ids, w))
             assert rel_err(y, ref.forward(li, x, ids, w).double()) <= 1e-4, f"step {step} seed {seed}"
         fake.release(rng, 0.5)  # about half of the device's work "completes" between steps
-    assert fake.checked["copies"] > 3 and fake.checked["publishes"] > 0, fake.checked
-    assert moe.stats["hits"] > 0 and moe.stats["misses"] > moe.cache_size
+    # then one routing repeated with every event completing between steps: its experts (K <= cache_size)
+    # are copied after the first step and published after the second, so the third must hit
+    x = torch.randn(1, HID, generator=g)
+    ids, w = routing(g, 1, E, K)
+    for _ in range(3):
+        fake.release(rng, 1.0)
+        for li in range(LAYERS):
+            y = moe.forward(li, *on_offload_dev(x, ids, w))
+            assert rel_err(y, ref.forward(li, x, ids, w).double()) <= 1e-4, f"seed {seed}"
+    assert fake.checked["copies"] > 3 and fake.checked["publishes"] > 0, (fake.checked, seed)
+    assert moe.stats["hits"] > 0 and moe.stats["misses"] > moe.cache_size, (moe.stats, seed)
