@@ -31,6 +31,10 @@ def _baseline(rev: str, tmp: Path) -> ctypes.CDLL:
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/quant/native_q4.c"], check=True,
                          capture_output=True).stdout
     (tmp / "base.c").write_bytes(src)
+    hdr = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/quant/native_avx.h"],
+                         capture_output=True)  # included by native_q4.c from the revision that added it
+    if hdr.returncode == 0:
+        (tmp / "native_avx.h").write_bytes(hdr.stdout)
     out = str(tmp / "base.so")
     subprocess.run(["gcc", *native.CFLAGS, "-o", out, str(tmp / "base.c"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "base.so"))

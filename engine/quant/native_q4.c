@@ -24,6 +24,8 @@ padded with zero rows. Every function releases nothing itself: ctypes drops the 
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_avx.h"
+
 #define QK 32
 #define BQ4 18
 #define ROWS 8
@@ -278,25 +280,6 @@ void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N
         }
     }
     free(xq); free(xd); free(xs); free(xqs); free(xds); free(xss); free(ys);
-}
-
-/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2 in two parts;
-   ~1 ulp) */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* h[i] = gelu_tanh(h[i]) * h[I + i], i < I (I a multiple of 8); gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
