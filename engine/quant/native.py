@@ -30,7 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("native_q4.c"), Path(__file__).with_name("native_ops.c")]
-HEADERS = [Path(__file__).with_name("native_avx.h")]  # included by SOURCES: part of the cache key
+# included by SOURCES: part of the cache key
+HEADERS = [Path(__file__).with_name("native_avx.h"), Path(__file__).with_name("native_moe.h")]
 ABI = 5  # swa_q4_abi() of the source this wrapper was written for
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 ROWS = 8  # weight rows per interleaved group

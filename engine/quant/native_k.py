@@ -29,7 +29,7 @@ from swaserve.engine.quant.native import _cpu_ok, _threads, bind, compile_cached
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "native_k.c", _DIR / "native_k_dots.h", _DIR / "native_k_multi.h")
+SOURCES = (_DIR / "native_k.c", _DIR / "native_k_dots.h", _DIR / "native_k_multi.h", _DIR / "native_moe.h")
 ABI = 1
 _COMMON = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 CFLAGS = {"simd": [*_COMMON, "-march=native", "-mavx2", "-mfma", "-mf16c"], "scalar": _COMMON}
