@@ -259,6 +259,17 @@ def mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return y
 
 
+def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing arguments of the native MoE calls: int64 ids and fp32 weights [T, k], contiguous;
+    IndexError for an expert id outside [0, experts) (the C code would read out of bounds)."""
+    ids = topk_ids.to(torch.int64).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+        raise IndexError(f"expert ids out of range [0, {experts})")
+    return ids, w
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, threads: int | None = None, *,
         lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -269,10 +280,7 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, 
     t, h = x.shape
     e = gate_up.shape[0]
     assert gate_up.shape[-1] == packed_bytes(2 * inter, h) and down.shape[-1] == packed_bytes(h, inter)
-    ids = topk_ids.to(torch.int64).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
-        raise IndexError(f"expert ids out of range [0, {e})")
+    ids, w = moe_routing(topk_ids, topk_weights, e)
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
         (lib or _lib_or_raise()).swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,

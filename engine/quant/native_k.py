@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from swaserve.engine.quant.native import _cpu_ok, _threads, bind, compile_cached
+from swaserve.engine.quant.native import _cpu_ok, _threads, bind, compile_cached, moe_routing
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,7 @@ def moe(x: torch.Tensor, gu_type: str, gate_up: torch.Tensor, dn_type: str, down
     e = gate_up.shape[0]
     t1, t2 = _check(gu_type, gate_up, 2 * inter, h), _check(dn_type, down, h, inter)
     assert gate_up.shape[:2] == (e, 2 * inter) and down.shape[:2] == (e, h), (gate_up.shape, down.shape)
-    ids = topk_ids.to(torch.int64).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
-        raise IndexError(f"expert ids out of range [0, {e})")
+    ids, w = moe_routing(topk_ids, topk_weights, e)
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
         _lib(variant).swa_k_moe(t1, t2, x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,
