@@ -80,7 +80,8 @@ class Row:
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
                 "preemptions": self.preemptions, "seconds": round(self.seconds, 2),
-                **({"tier_promotions": self.tier["promotions"], "tier_promoted_tokens": self.tier["promoted_tokens"],
+                **({"tier_promotions": self.tier["promotions"],
+                    "tier_promoted_tokens": self.tier["promoted_tokens"],
                     "tier_pages_written": self.tier["pages_written_full"] + self.tier["pages_written_swa"]}
                    if self.tier else {})}
 

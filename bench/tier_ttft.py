@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"promoted / prefill: wall {promo[0] / pre[0]:.3f}, CPU {promo[1] / pre[1]:.3f}; "
           f"promoted / recomputed: wall {promo[0] / rec[0]:.3f}, CPU {promo[1] / rec[1]:.3f}")
     bw = read_bytes / read_s if read_s > 0 else float("nan")
-    print(f"tier read {read_bytes / 2**20:.1f} MiB in {read_s:.3f} s ({bw / 2**20:.0f} MiB/s from a dropped page "
-          f"cache, checksums included) for {promo[2]} tokens: {full_b} B full + {swa_b} B SWA per token, SWA only "
-          f"for the last {W}; written while evicting: {st0['bytes_written'] / 2**20:.1f} MiB in "
-          f"{st0['write_seconds']:.3f} s")
+    print(f"tier read {read_bytes / 2**20:.1f} MiB in {read_s:.3f} s ({bw / 2**20:.0f} MiB/s from a dropped "
+          f"page cache, checksums included) for {promo[2]} tokens: {full_b} B full + {swa_b} B SWA per "
+          f"token, SWA only for the last {W}; written while evicting: "
+          f"{st0['bytes_written'] / 2**20:.1f} MiB in {st0['write_seconds']:.3f} s")
     est_cfg = preset_config(args.estimate_preset)
     ef, es = bytes_per_token(est_cfg, resolve_kv_dtype("bf16", eng.device))
     est_bytes = args.prefix_len * ef + min(args.prefix_len, est_cfg.sliding_window) * es

@@ -9,6 +9,7 @@ happens on the loop thread, or under the step lock while the thread is not runni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -19,12 +20,12 @@ from swaserve.engine.core import (
     EngineOverloaded,
     Req,
     RequestError,
-    RequestFailed,
     RequestOutput,
     SamplingParams,
 )
 from swaserve.engine.engine import Engine
 from swaserve.engine.kvcache.snapshot import SlicedCalls
+from swaserve.engine.output_stream import read_choices
 
 log = logging.getLogger("swaserve.engine")
 
@@ -181,21 +182,10 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._submit_q.put(reqs)
         self._wake.set()
-        done: set[int] = set()
-        try:
-            while len(done) < len(reqs):
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:  # this request failed alone (engine log: the traceback)
-                    raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
-                if item.finished:
-                    done.add(item.index)
+        outs = read_choices(request_id, q, len(reqs), self._streams, self.abort)
+        async with contextlib.aclosing(outs):  # closed at once when the consumer stops: aborts the rest
+            async for item in outs:
                 yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if len(done) < len(reqs):
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort every choice of a request (thread-safe); pages are released on the next step."""

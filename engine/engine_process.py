@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -38,8 +39,9 @@ from typing import Any
 
 from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import EngineConfig, ModelConfig
-from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput, SamplingParams
+from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams
 from swaserve.engine.kvcache.snapshot import SlicedCalls
+from swaserve.engine.output_stream import read_choices
 from swaserve.engine.scheduler.requests import check_lengths
 from swaserve.engine.tokenizer import Tokenizer
 
@@ -314,21 +316,10 @@ class EngineClient:
         self._in_transit.append((self._sent, params.n))
         ids = [int(t) for t in prompt_ids]
         self._outgoing.put(("add", self._sent, request_id, ids, params, tuple(anchors)))
-        done: set[int] = set()
-        try:
-            while len(done) < params.n:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:  # this request failed alone (engine log: the traceback)
-                    raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
-                if item.finished:
-                    done.add(item.index)
+        outs = read_choices(request_id, q, params.n, self._streams, self.abort)
+        async with contextlib.aclosing(outs):  # closed at once when the consumer stops: aborts the rest
+            async for item in outs:
                 yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if len(done) < params.n:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort every choice of a request (thread-safe); pages are released on the engine's next step."""

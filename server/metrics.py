@@ -95,9 +95,11 @@ class _EngineCollector(Collector):
         if tier:  # the second KV tier: promotions, pages and bytes moved, records
             yield counter("kv_tier_promotions", "Admissions that promoted KV pages from the offload tier.",
                           tier["promotions"])
-            moved = CounterMetricFamily(PREFIX + "kv_tier_pages", "KV pages moved to (written) and from (read) "
-                                        "the offload tier.", labels=["model_name", "op", "kind"])
-            nbytes = CounterMetricFamily(PREFIX + "kv_tier_bytes", "Bytes moved to and from the offload tier.",
+            moved = CounterMetricFamily(PREFIX + "kv_tier_pages",
+                                        "KV pages moved to (written) and from (read) the offload tier.",
+                                        labels=["model_name", "op", "kind"])
+            nbytes = CounterMetricFamily(PREFIX + "kv_tier_bytes",
+                                         "Bytes moved to and from the offload tier.",
                                          labels=["model_name", "op"])
             for op in ("written", "read"):
                 for kind in ("full", "swa"):
@@ -107,8 +109,10 @@ class _EngineCollector(Collector):
             yield nbytes
             yield counter("kv_tier_rejected_records", "Offload-tier records that failed verification (torn, "
                           "corrupt or stale) and were not served.", tier["rejected"])
-            yield counter("kv_tier_dropped_records", "Offload-tier records dropped to make room.", tier["dropped"])
-            usage = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes", "Offload-tier bytes held and its capacity.",
+            yield counter("kv_tier_dropped_records", "Offload-tier records dropped to make room.",
+                          tier["dropped"])
+            usage = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes",
+                                      "Offload-tier bytes held and its capacity.",
                                       labels=["model_name", "state"])
             usage.add_metric([model, "used"], float(tier["bytes"]))
             usage.add_metric([model, "capacity"], float(tier["capacity_bytes"]))

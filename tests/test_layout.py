@@ -150,3 +150,7 @@ def test_wheel_installs_exactly_one_top_level_name(tmp_path: Path) -> None:
     packaged = {n.removeprefix("swaserve/") for n in names if n.startswith("swaserve/") and n.endswith(".py")}
     expected = {str(p.relative_to(ROOT)) for p in MODULES.values()}
     assert packaged == expected, f"missing {expected - packaged}, extra {packaged - expected}"
+    # the native kernels are compiled from the installed package: every C source and header must ship
+    native = {str(p.relative_to(ROOT)) for p in (ROOT / "engine" / "quant").glob("*.[ch]")}
+    shipped = {n.removeprefix("swaserve/") for n in names}
+    assert native and native <= shipped, f"native sources missing from the wheel: {native - shipped}"

@@ -31,6 +31,11 @@ def _baseline(rev: str, tmp: Path) -> ctypes.CDLL:
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/quant/native_q4.c"], check=True,
                          capture_output=True).stdout
     (tmp / "base.c").write_bytes(src)
+    headers = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "engine/quant/"],
+                             check=True, capture_output=True, text=True).stdout.split()
+    for h in (h for h in headers if h.endswith(".h")):  # the revision's headers native_q4.c may include
+        hdr = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{h}"], check=True, capture_output=True)
+        (tmp / Path(h).name).write_bytes(hdr.stdout)
     out = str(tmp / "base.so")
     subprocess.run(["gcc", *native.CFLAGS, "-o", out, str(tmp / "base.c"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "base.so"))

@@ -101,7 +101,8 @@ class MmapTierIO:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(self.fd)
-            raise RuntimeError(f"{self.path} is in use by another process (one --kv-offload-dir per server)") from e
+            raise RuntimeError(
+                f"{self.path} is in use by another process (one --kv-offload-dir per server)") from e
         head = FILE_HEAD.pack(MAGIC, fp, num_blocks, k, self.page_bytes["full"], self.page_bytes["swa"],
                               self.payload_off)
         self.reinitialised = False

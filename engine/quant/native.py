@@ -30,6 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("native_q4.c"), Path(__file__).with_name("native_ops.c")]
+# included by SOURCES: part of the cache key
+HEADERS = [Path(__file__).with_name("native_avx.h"), Path(__file__).with_name("native_moe.h")]
 ABI = 5  # swa_q4_abi() of the source this wrapper was written for
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 ROWS = 8  # weight rows per interleaved group
@@ -87,25 +89,25 @@ def _cpu_ok() -> str:
     return f"CPU lacks {', '.join(missing)}" if missing else ""
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the C sources into the cache (once per sources + flags + CPU), return the library path.
-    The CPU's flags are part of the key: -march=native code (VNNI, AVX512) must not be loaded from a
-    cache shared with a machine that lacks them."""
-    src = b"".join(p.read_bytes() for p in SOURCES)
-    flags = [*CFLAGS, *extra_flags]
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"swaserve_q4_{key}.so"
+def compile_cached(stem: str, sources: list[Path], headers: list[Path], flags: list[str], what: str,
+                   key_extra: str = "") -> Path:
+    """Compile `sources` with `flags` into $SWASERVE_CACHE/native/<stem>_<key>.so once and return its
+    path; the key hashes the sources, the headers they include, the flags and `key_extra`. Shared by
+    this module and native_k.py."""
+    src = b"".join(p.read_bytes() for p in [*sources, *headers])
+    key = hashlib.sha256(src + " ".join(flags).encode() + key_extra.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{stem}_{key}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the native Q4_0 kernels (%s, once)", out.name)
+    log.info("building %s (%s, once)", what, out.name)
     # built aside and renamed: concurrent builders never load half a file
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-o", str(part), *map(str, SOURCES), "-lm"], capture_output=True,
+        res = subprocess.run([cc, *flags, "-o", str(part), *map(str, sources), "-lm"], capture_output=True,
                              text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'}")
@@ -113,11 +115,24 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    for name, (args, res) in _SIGNATURES.items():
+def bind(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    """Set argtypes/restype of each named function of `lib`; returns `lib`."""
+    for name, (args, res) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    return lib
+
+
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the C sources into the cache (once per sources + flags + CPU), return the library path.
+    The CPU's flags are part of the key: -march=native code (VNNI, AVX512) must not be loaded from a
+    cache shared with a machine that lacks them."""
+    return compile_cached("swaserve_q4", SOURCES, HEADERS, [*CFLAGS, *extra_flags], "the native Q4_0 kernels",
+                          key_extra=_cpu_flags())
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = bind(ctypes.CDLL(str(path)), _SIGNATURES)
     if lib.swa_q4_abi() != ABI:
         raise RuntimeError(f"library ABI {lib.swa_q4_abi()} != {ABI}")
     return lib
@@ -244,6 +259,17 @@ def mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return y
 
 
+def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing arguments of the native MoE calls: int64 ids and fp32 weights [T, k], contiguous;
+    IndexError for an expert id outside [0, experts) (the C code would read out of bounds)."""
+    ids = topk_ids.to(torch.int64).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+        raise IndexError(f"expert ids out of range [0, {experts})")
+    return ids, w
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, threads: int | None = None, *,
         lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -254,10 +280,7 @@ def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int, 
     t, h = x.shape
     e = gate_up.shape[0]
     assert gate_up.shape[-1] == packed_bytes(2 * inter, h) and down.shape[-1] == packed_bytes(h, inter)
-    ids = topk_ids.to(torch.int64).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
-        raise IndexError(f"expert ids out of range [0, {e})")
+    ids, w = moe_routing(topk_ids, topk_weights, e)
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
         (lib or _lib_or_raise()).swa_q4_moe(x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,

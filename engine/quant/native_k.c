@@ -21,6 +21,7 @@ d = amax / 127 per 256, q = round(x * 127 / amax), int16 code sums per 16 for th
 
 #include "native_k_dots.h"
 #include "native_k_multi.h"
+#include "native_moe.h"
 
 int swa_k_abi(void) { return 1; }
 
@@ -213,17 +214,8 @@ void swa_k_moe(int tgu, int tdn, const float* x, int64_t T, int64_t H, const uin
     const int64_t A = T * k, I2 = 2 * I, nb1 = H / t1->elems, nb2 = I / t2->elems;
     const size_t rb1 = (size_t)nb1 * t1->bytes, rb2 = (size_t)nb2 * t2->bytes;
     const size_t gu_stride = rb1 * I2, dn_stride = rb2 * H;
-    int64_t* start = (int64_t*)calloc(E + 1, sizeof(int64_t));
-    int64_t* order = (int64_t*)malloc((A + 1) * sizeof(int64_t));
-    int64_t* slot = (int64_t*)malloc((A + 1) * sizeof(int64_t));
-    int64_t* fill = (int64_t*)malloc((E + 1) * sizeof(int64_t));
-    int64_t* active = (int64_t*)malloc((E + 1) * sizeof(int64_t));
-    for (int64_t a = 0; a < A; ++a) start[ids[a] + 1]++;
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    memcpy(fill, start, E * sizeof(int64_t));
-    for (int64_t a = 0; a < A; ++a) { int64_t s = fill[ids[a]]++; order[s] = a; slot[a] = s; }
-    int64_t nact = 0;
-    for (int64_t e = 0; e < E; ++e) if (start[e + 1] > start[e]) active[nact++] = e;
+    ExpertSort es = expert_sort(ids, A, E);
+    const int64_t *start = es.start, *order = es.order, *active = es.active, nact = es.nact;
     QBuf xb = qbuf_new(T, H, t1->act), hb = qbuf_new(A, I, t2->act);
     float* hbuf = (float*)malloc((size_t)(A * I2 + 1) * sizeof(float));  /* gate_up outputs by sorted slot */
     float* ybuf = (float*)malloc((size_t)(A * H + 1) * sizeof(float));   /* down outputs by sorted slot */
@@ -261,18 +253,9 @@ void swa_k_moe(int tgu, int tdn, const float* x, int64_t T, int64_t H, const uin
             const int64_t r1 = (c + 1) * ROW_CHUNK < H ? (c + 1) * ROW_CHUNK : H;
             gemm_rows(t2, down + e * dn_stride, rb2, nb2, c * ROW_CHUNK, r1, start[e + 1] - s0, &rows);
         }
-        #pragma omp for schedule(static)
-        for (int64_t tk = 0; tk < T; ++tk) {
-            float* o = out + tk * H;
-            for (int64_t h = 0; h < H; ++h) o[h] = 0.f;
-            for (int64_t j = 0; j < k; ++j) {
-                const float wgt = weights[tk * k + j];
-                const float* yv = ybuf + slot[tk * k + j] * H;
-                for (int64_t h = 0; h < H; ++h) o[h] += wgt * yv[h];
-            }
-        }
+        moe_combine(out, ybuf, es.slot, weights, T, k, H);
     }
     qbuf_free(&xb); qbuf_free(&hb);
-    free(start); free(order); free(slot); free(fill); free(active); free(hbuf); free(ybuf);
+    expert_sort_free(&es); free(hbuf); free(ybuf);
     free(pq); free(pd); free(ps); free(py);
 }

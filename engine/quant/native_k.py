@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from swaserve.engine.quant.native import _cache_dir, _cpu_ok
+from swaserve.engine.quant.native import _cpu_ok, _threads, bind, compile_cached, moe_routing
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "native_k.c", _DIR / "native_k_dots.h", _DIR / "native_k_multi.h")
+SOURCES = (_DIR / "native_k.c", _DIR / "native_k_dots.h", _DIR / "native_k_multi.h", _DIR / "native_moe.h")
 ABI = 1
 _COMMON = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 CFLAGS = {"simd": [*_COMMON, "-march=native", "-mavx2", "-mfma", "-mf16c"], "scalar": _COMMON}
@@ -60,25 +57,8 @@ _why: dict[str, str] = {}
 
 
 def _build(variant: str) -> Path:
-    flags = CFLAGS[variant]
-    src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"swaserve_k_{variant}_{key}.so"
-    if out.exists():
-        return out
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the native kernels of the other GGUF types (%s, once)", out.name)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, renamed: never half a file
-        part = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-o", str(part), str(SOURCES[0]), "-lm"], capture_output=True,
-                             text=True, timeout=300)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'}")
-        os.replace(part, out)
-    return out
+    return compile_cached(f"swaserve_k_{variant}", [SOURCES[0]], list(SOURCES[1:]), CFLAGS[variant],
+                          "the native kernels of the other GGUF types")
 
 
 @functools.cache
@@ -96,10 +76,7 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
     lib = None
     try:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see native.py: a shared box, sleep at barriers
-        cand = ctypes.CDLL(str(_build(variant)))
-        for name, (args, res) in _SIGNATURES.items():
-            fn = getattr(cand, name)
-            fn.argtypes, fn.restype = args, res
+        cand = bind(ctypes.CDLL(str(_build(variant))), _SIGNATURES)
         if cand.swa_k_abi() != ABI or cand.swa_k_ntypes() != len(TYPES):
             raise RuntimeError(f"library ABI {cand.swa_k_abi()} / {cand.swa_k_ntypes()} types != {ABI}")
         lib = cand
@@ -125,10 +102,6 @@ def _lib(variant: str | None) -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"native kernels unavailable: {why_unavailable(variant)}")
     return lib
-
-
-def _threads(threads: int | None) -> int:
-    return threads if threads is not None else torch.get_num_threads()
 
 
 def supports(qtype: str, k: int) -> bool:
@@ -183,10 +156,7 @@ def moe(x: torch.Tensor, gu_type: str, gate_up: torch.Tensor, dn_type: str, down
     e = gate_up.shape[0]
     t1, t2 = _check(gu_type, gate_up, 2 * inter, h), _check(dn_type, down, h, inter)
     assert gate_up.shape[:2] == (e, 2 * inter) and down.shape[:2] == (e, h), (gate_up.shape, down.shape)
-    ids = topk_ids.to(torch.int64).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
-        raise IndexError(f"expert ids out of range [0, {e})")
+    ids, w = moe_routing(topk_ids, topk_weights, e)
     out = torch.empty(t, h, dtype=torch.float32)
     if t:
         _lib(variant).swa_k_moe(t1, t2, x.data_ptr(), t, h, gate_up.data_ptr(), down.data_ptr(), e, inter,

@@ -24,6 +24,9 @@ padded with zero rows. Every function releases nothing itself: ctypes drops the 
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_avx.h"
+#include "native_moe.h"
+
 #define QK 32
 #define BQ4 18
 #define ROWS 8
@@ -280,25 +283,6 @@ void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N
     free(xq); free(xd); free(xs); free(xqs); free(xds); free(xss); free(ys);
 }
 
-/* exp(x) of 8 lanes, x clamped to [-87, 87] (Cephes' expf: 2^n * p(r), r = x - n ln2 in two parts;
-   ~1 ulp) */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(87.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* h[i] = gelu_tanh(h[i]) * h[I + i], i < I (I a multiple of 8); gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
    g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3) */
 static void gelu_mul(float* h, int64_t I) {
@@ -321,18 +305,8 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
                 int nthreads) {
     const int64_t A = T * k, I2 = 2 * I, nbH = H / QK, nbI = I / QK;
     const size_t gu_stride = (size_t)swa_q4_packed_bytes(I2, H), dn_stride = (size_t)swa_q4_packed_bytes(H, I);
-    /* counting sort of the assignments by expert: sorted slot s holds assignment order[s] */
-    int64_t* start = (int64_t*)calloc(E + 1, sizeof(int64_t));
-    int64_t* order = (int64_t*)malloc(A * sizeof(int64_t));
-    int64_t* slot = (int64_t*)malloc(A * sizeof(int64_t));
-    for (int64_t a = 0; a < A; ++a) start[ids[a] + 1]++;
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    int64_t* fill = (int64_t*)malloc(E * sizeof(int64_t));
-    memcpy(fill, start, E * sizeof(int64_t));
-    for (int64_t a = 0; a < A; ++a) { int64_t s = fill[ids[a]]++; order[s] = a; slot[a] = s; }
-    int64_t* active = (int64_t*)malloc(E * sizeof(int64_t));
-    int64_t nact = 0;
-    for (int64_t e = 0; e < E; ++e) if (start[e + 1] > start[e]) active[nact++] = e;
+    ExpertSort es = expert_sort(ids, A, E);  /* sorted slot s holds assignment es.order[s] */
+    const int64_t *start = es.start, *order = es.order, *active = es.active, nact = es.nact;
     int8_t* xq = (int8_t*)malloc((size_t)T * H);
     float* xd = (float*)malloc((size_t)T * nbH * sizeof(float));
     int32_t* xs = (int32_t*)malloc((size_t)T * nbH * sizeof(int32_t));
@@ -382,18 +356,9 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
             int64_t g1 = (c + 1) * c2 < G2 ? (c + 1) * c2 : G2;
             gemm_groups(down + e * dn_stride, nbI, H, c * c2, g1, start[e + 1] - s0, &rows);
         }
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) {
-            float* o = out + t * H;
-            for (int64_t h = 0; h < H; ++h) o[h] = 0.f;
-            for (int64_t j = 0; j < k; ++j) {
-                const float wgt = weights[t * k + j];
-                const float* yv = ybuf + slot[t * k + j] * H;
-                for (int64_t h = 0; h < H; ++h) o[h] += wgt * yv[h];
-            }
-        }
+        moe_combine(out, ybuf, es.slot, weights, T, k, H);
     }
-    free(start); free(order); free(slot); free(fill); free(active); free(xq); free(xd); free(hbuf);
+    expert_sort_free(&es); free(xq); free(xd); free(hbuf);
     free(hq); free(hd); free(ybuf); free(xqs); free(xds); free(hqs); free(hds); free(hps); free(yps);
     free(xs); free(hs); free(xss); free(hss);
 }

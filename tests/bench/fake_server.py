@@ -14,6 +14,8 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.helpers import lcp
+
 PAGE = 4
 SEC_PER_UNCACHED_TOKEN = 5e-4  # large enough that HTTP overhead on a loaded 2-core box stays below it
 
@@ -24,15 +26,6 @@ def render(messages: list[dict]) -> list[str]:
     for m in messages:
         toks += [f"<{m['role']}>"] + str(m.get("content") or "").split() + ["</turn>"]
     return toks + ["<model>", "<thought>", "</thought>"]
-
-
-def lcp(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class FakeCache:

@@ -20,7 +20,8 @@ def fanout_prompts(llm: LLM, groups: int = 4, per_group: int = 2, system: int = 
     rng = random.Random(1)
     V = llm.tokenizer.vocab_size
     systems = [[2] + [rng.randrange(3, V) for _ in range(system - 1)] for _ in range(groups)]
-    return [systems[g] + [rng.randrange(3, V) for _ in range(12)] for _ in range(per_group) for g in range(groups)]
+    return [systems[g] + [rng.randrange(3, V) for _ in range(12)]
+            for _ in range(per_group) for g in range(groups)]
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> list:

@@ -17,6 +17,7 @@ import pytest
 
 from swaserve.server.app import build_app
 from swaserve.server.launch import server_config_from_args
+from tests.helpers import lcp
 from tests.server.conftest import LiveServer, make_engine, serve_args, wait_idle
 
 PAGE = 16  # the default --page-size
@@ -28,15 +29,6 @@ def _complete(http: httpx.Client, prompt: list[int], max_tokens: int) -> tuple[s
     assert r.status_code == 200, r.text
     body = r.json()
     return body["id"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _assert_no_locks(core: Any) -> None:
@@ -107,7 +99,7 @@ def test_cached_tokens_exact_under_preemption_and_swa_pressure(small: tuple[Any,
         for p, (rid, cached) in zip(prompts, results):
             assert cached == min(first[rid], len(p)), (rid, cached, first[rid])
             assert cached % PAGE == 0 and cached < len(p)
-            assert cached <= max(_lcp(p, q) for q in prompts if q is not p)
+            assert cached <= max(lcp(p, q) for q in prompts if q is not p)
         assert any(c > 0 for _, c in results)
         # sequential, after the burst: the oracle still agrees when windows of the shared prefix are gone
         with s.http() as http:

@@ -13,6 +13,7 @@ from swaserve.engine.scheduler import Scheduler
 from tests.engine.scheduler.fakes import CheckingModel
 from tests.engine.scheduler.test_scheduler import assert_all_returned, build, reqs_for, run
 from tests.engine.scheduler.test_scheduler import expected as expected_tokens
+from tests.helpers import lcp
 
 
 class FirstChunk(CheckingModel):
@@ -84,7 +85,7 @@ def test_cached_tokens_is_the_first_admission_reuse_through_preemption(seed):
         first = model.first_start[r.rid]
         assert r.cached_tokens == min(first, r.prompt_len), r.rid
         assert r.cached_tokens % P == 0 and r.cached_tokens < r.prompt_len
-        shared = max([_lcp(prompts[i], prompts[j]) for j in range(i)], default=0)
+        shared = max([lcp(prompts[i], prompts[j]) for j in range(i)], default=0)
         assert r.cached_tokens <= shared, (r.rid, r.cached_tokens, shared)
         if r.num_preemptions and r.cached_tokens < (r.prompt_len - 1) // P * P:
             preempted_partial += 1
@@ -92,15 +93,6 @@ def test_cached_tokens_is_the_first_admission_reuse_through_preemption(seed):
     assert preempted_partial > 0
     assert sched.prefix_hit_tokens == sum(r.cached_tokens for r in reqs)
     assert_all_returned(sched)
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_cached_tokens_is_the_page_aligned_shared_prefix():
