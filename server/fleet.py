@@ -102,10 +102,21 @@ class FleetPlan:
     metrics_url: str
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port p such that p .. p + count - 1 are free now (a fleet takes the router's port and the next
+    ones for its replicas); tries up to 100 ephemeral candidates."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        try:
+            for q in range(port + 1, port + count):
+                _check_free(host, q, "port")
+        except ValueError:
+            continue
+        if port + count <= 65536:
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 def _check_free(host: str, port: int, what: str) -> None:

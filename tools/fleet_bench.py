@@ -40,7 +40,7 @@ class FleetRun:
 
     def __init__(self, replicas: int, serve_args: list[str], policy: str = "prefix_hash",
                  log_dir: str | None = None, port: int | None = None, timeout: float = 600.0):
-        self.port = port or free_port()
+        self.port = port or free_port(count=replicas + 1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.replica_urls = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(replicas)]
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="swaserve-fleet-")

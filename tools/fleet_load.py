@@ -190,7 +190,9 @@ async def failover_drill(router: str, model: str, victim_url: str, victim_pid: i
                 i += 1
 
         loops = [asyncio.create_task(closed_loop(k)) for k in range(clients)]
-        await asyncio.sleep(1.0)
+        while len(loop_recs) < clients:  # the closed loops are running (their records exist)
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
         os.kill(victim_pid, signal.SIGKILL)
         t_kill = time.monotonic()
 

@@ -40,7 +40,7 @@ def test_replica_flags_are_the_serve_flags():
 
 @needs_smg
 def test_plan_ports_threads_devices_and_router():
-    port = free_port()
+    port = free_port(count=4)
     plan = _plan("--replicas", "3", "--port", str(port), "--enable-cache-report", "--devices", "cpu,cpu:1")
     assert plan.replica_urls == [f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)]
     threads = str(max(1, (os.cpu_count() or 1) // 3))
