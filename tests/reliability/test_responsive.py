@@ -133,7 +133,8 @@ def test_loop_stays_responsive_under_hostile_requests(proc_server: LiveServer, m
     # the mean gap (a stall shows there even when tokens then arrive bunched) and the 95th percentile
     idle_gap, gap = statistics.fmean(idle_gaps), statistics.fmean(gaps)
     idle_p95, p95 = _p95(idle_gaps), _p95(gaps)  # printed: where a stall shows
-    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded max {1e3 * max(health):.1f}; gap ms: "
+    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded p95 {1e3 * _p95(health):.1f} "
+          f"max {1e3 * max(health):.1f} (n {len(health)}); gap ms: "
           f"idle mean {1e3 * idle_gap:.1f} p95 {1e3 * idle_p95:.1f}, loaded mean {1e3 * gap:.1f} "
           f"p95 {1e3 * p95:.1f}")
     assert len(health) >= 10
