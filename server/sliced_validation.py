@@ -40,8 +40,12 @@ class SlicedValidationError(ValueError):
 
 @functools.cache
 def _list_adapter(model: type[BaseModel], field: str) -> TypeAdapter | None:
-    """TypeAdapter(list[X]) for a field declared `list[X]` or `list[X] | None`; None for anything else."""
-    ann = model.model_fields[field].annotation
+    """TypeAdapter(list[X]) for a field declared `list[X]` or `list[X] | None` under its own name; None
+    for anything else."""
+    info = model.model_fields[field]
+    if (info.alias or field) != field or info.validation_alias is not None:  # the key is not the name
+        return None
+    ann = info.annotation
     args = typing.get_args(ann)
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
         lists = [a for a in args if typing.get_origin(a) is list]
