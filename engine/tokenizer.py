@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPLIT_REGEX = r"[^\n]+|[\n]+"
 _SURROGATE = re.compile("[\ud800-\udfff]")
+LONG_TEXT_CHARS = 8192  # from here on, encode without holding the GIL (see _encode_one)
 _K = "tokenizer.ggml."
 # Marked decoding (IncrementalDetokenizer(mark_special_tokens=True)): a special token decodes to
 # MARK_OPEN + its text + MARK_CLOSE and a MARK_OPEN character written as text to MARK_OPEN + MARK_CLOSE,
@@ -196,9 +197,16 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"can only encode str, not {type(text).__name__}")
         try:
-            return self._hf.encode(text, add_special_tokens=False)
+            return self._encode_one(text)
         except TypeError:  # lone surrogates (e.g. from JSON "\ud800") are not valid UTF-8
-            return self._hf.encode(_SURROGATE.sub("\ufffd", text), add_special_tokens=False)
+            return self._encode_one(_SURROGATE.sub("\ufffd", text))
+
+    def _encode_one(self, text: str) -> Any:
+        # tokenizers' encode holds the GIL for the whole call (~100 ms for a 20,000-message prompt, when the
+        # HTTP loop of the same process waits); encode_batch releases it and gives the same encoding
+        if len(text) < LONG_TEXT_CHARS:
+            return self._hf.encode(text, add_special_tokens=False)
+        return self._hf.encode_batch([text], add_special_tokens=False)[0]
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; control tokens written in the text are matched whole."""

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from swaserve.server.errors import APIError
+from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError, validate_sliced
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -48,6 +49,10 @@ async def run_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _validate(model: type[M], raw: bytes) -> M:
+    if len(raw) >= SLICED_BODY_BYTES:
+        sliced = validate_sliced(model, raw)
+        if sliced is not None:
+            return sliced
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
@@ -79,7 +84,7 @@ def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
                            "client_disconnected") from None
         try:
             return await run_cpu(_validate, model, raw)
-        except ValidationError as e:
+        except (ValidationError, SlicedValidationError) as e:
             errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors(include_url=False)]
             if not raw.strip():
                 errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]

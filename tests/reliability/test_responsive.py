@@ -133,14 +133,16 @@ def test_loop_stays_responsive_under_hostile_requests(proc_server: LiveServer, m
     # the mean gap (a stall shows there even when tokens then arrive bunched) and the 95th percentile
     idle_gap, gap = statistics.fmean(idle_gaps), statistics.fmean(gaps)
     idle_p95, p95 = _p95(idle_gaps), _p95(gaps)  # printed: where a stall shows
-    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded max {1e3 * max(health):.1f}; gap ms: "
+    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded p95 {1e3 * _p95(health):.1f} "
+          f"max {1e3 * max(health):.1f} (n {len(health)}); gap ms: "
           f"idle mean {1e3 * idle_gap:.1f} p95 {1e3 * idle_p95:.1f}, loaded mean {1e3 * gap:.1f} "
           f"p95 {1e3 * p95:.1f}")
     assert len(health) >= 10
     # Medians at the factors (100 ms, 2x); the worst answer under 1 s, where a loop that renders or
-    # parses itself stays blocked for the whole hostile render (>= 2 s here). Single answers do take a few
-    # hundred ms on the loaded 2-core CI machine: validating the 20,000-message body is one pydantic call
-    # that holds the GIL (~250 ms there, ~40 ms idle), and the machine's own noise reaches 160 ms idle.
+    # parses itself stays blocked for the whole hostile render (>= 2 s here). No call keeps the GIL long
+    # any more (sliced validation, tokenization without the GIL, a frozen startup heap: docs/serving.md),
+    # yet single answers still take 190-380 ms on the loaded 2-core CI machine (p95 62-84 ms): the GIL
+    # goes round ~6 busy threads, this test's clients included, on cores shared with the engine process.
     assert statistics.median(health) <= max(0.1, 2 * statistics.median(idle_health)), sorted(health)[-5:]
     assert max(health) < 1.0, sorted(health)[-5:]
     assert gap <= 2 * idle_gap + 0.03, (gap, idle_gap)
