@@ -43,7 +43,7 @@ def test_sigterm_drains_then_ends_open_responses_and_exits_0() -> None:
                 pass
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.5)
-        long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True}
+        long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 20000, "ignore_eos": True}
         results: dict[str, object] = {}
 
         def stream() -> None:
