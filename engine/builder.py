@@ -210,7 +210,14 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         # pools are sized without them, so the graphs' pool and the eager peak step both fit
         runner.graphs = DecodeGraphs(bundle.model, pool, P, model_cfg.sliding_window, device,
                                      sched_cfg.max_running_requests, _cdiv(context, P) + 1, capture=True)
-        runner.graphs.capture_all()
+        try:
+            runner.graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - any capture failure: serve eagerly rather than not at all
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly (--no-cuda-graphs "
+                        "skips the capture)", type(e).__name__, e)
+            runner.graphs = None
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
     arena = Arena(plan.num_blocks, plan.full_per_block, swa_cap=plan.swa_cap, block_bytes=plan.block_bytes)
     cache = build_cache(cache_cfg, model_cfg.sliding_window, arena.full, arena.swa)
     if cache_cfg.kv_offload_dir is not None:
