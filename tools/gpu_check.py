@@ -28,7 +28,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.gpu_check_base import REAL, TINY, Ctx, Row, _fmt, rel_err, status
+from tools.gpu_check_base import REAL, TINY, Ctx, Row, _fmt, linear_row, rel_err, status
 from tools.gpu_check_e2e import check_e2e
 from tools.gpu_check_kernels import (
     _moe_ref,
@@ -88,7 +88,8 @@ def _quant_plan(c: Ctx, S) -> list[tuple[str, Any]]:
                                              "expert_intermediate": inter}), layer_types)
 
     c.shapes = S
-    helpers = SimpleNamespace(Row=Row, rel_err=rel_err, status=status, moe_ref=_moe_ref, shape_cfg=shape_cfg)
+    helpers = SimpleNamespace(Row=Row, rel_err=rel_err, status=status, linear_row=linear_row,
+                              moe_ref=_moe_ref, shape_cfg=shape_cfg)
     return gpu_check_quant.plan(c, helpers)
 
 

@@ -126,5 +126,28 @@ def status(err: float, tol: float, y) -> str:
     return "ok" if err <= tol and not y.isnan().any() else "FAIL"
 
 
+def linear_row(c: Ctx, w: Any, M: int, linear: Any, label: str, name: str, note: str) -> Row:
+    """One linear row: `linear(x, w)` for M random bf16 rows vs fp32 / bf16 torch matmuls on the
+    dequantized weight [N, K] (error, then time against bf16 F.linear)."""
+    torch = c.torch
+    import torch.nn.functional as F
+
+    from swaserve.engine.quant.dequant import dequantize
+
+    N, K = w.shape
+    wd = dequantize(w)  # [N, K] fp32, exact
+    x = torch.randn(M, K, device=c.dev, dtype=torch.bfloat16, generator=c.gen)
+    y = linear(x, w)
+    err = rel_err(y, x.float() @ wd.T)
+    wb = wd.to(torch.bfloat16)
+    del wd
+    ms = c.time_ms(lambda: linear(x, w))
+    ref_ms = c.time_ms(lambda: F.linear(x, wb))
+    nbytes = w.data.nbytes + x.nbytes + M * N * 2
+    rate = c.bw(nbytes, ms) if M <= 64 else c.flops(2 * M * N * K, ms)
+    kind = "GEMV" if M <= 4 else "GEMM"
+    return Row(f"{label} {kind} {name}", f"M{M} N{N} K{K}", status(err, 2e-2, y), err, ms, ref_ms, rate, note)
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "" if v is None else format(v, spec)

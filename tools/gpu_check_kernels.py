@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from tools.gpu_check_base import Ctx, Row, rel_err, status
+from tools.gpu_check_base import Ctx, Row, linear_row, rel_err, status
 
 # ---- ceilings ---------------------------------------------------------------------------------
 
@@ -130,36 +130,10 @@ def rand_q4(c: Ctx, shape: tuple[int, ...]):
 
 
 def check_q4(c: Ctx, S, name: str, N: int, K: int, M: int) -> list[Row]:
-    torch = c.torch
-    import torch.nn.functional as F
-
-    from swaserve.engine.quant.dequant import dequantize
     from swaserve.engine.quant.triton_q4 import q4_0_linear
 
     w = rand_q4(c, (N, K))
-    wd = dequantize(w)  # [N, K] fp32
-    x = torch.randn(M, K, device=c.dev, dtype=torch.bfloat16, generator=c.gen)
-    y = q4_0_linear(x, w)
-    err = rel_err(y, x.float() @ wd.T)
-    wb = wd.to(torch.bfloat16)
-    del wd
-    ms = c.time_ms(lambda: q4_0_linear(x, w))
-    ref_ms = c.time_ms(lambda: F.linear(x, wb))
-    nbytes = w.data.nbytes + x.nbytes + M * N * 2
-    rate = c.bw(nbytes, ms) if M <= 64 else c.flops(2 * M * N * K, ms)
-    kind = "GEMV" if M <= 4 else "GEMM"
-    return [
-        Row(
-            f"q4_0 {kind} {name}",
-            f"M{M} N{N} K{K}",
-            status(err, 2e-2, y),
-            err,
-            ms,
-            ref_ms,
-            rate,
-            "torch = bf16 mm on dequantized W",
-        )
-    ]
+    return [linear_row(c, w, M, q4_0_linear, "q4_0", name, "torch = bf16 mm on dequantized W")]
 
 
 # ---- MoE ----------------------------------------------------------------------------------------

@@ -32,27 +32,12 @@ def rand_qweight(c: Any, qtype: str, shape: tuple[int, ...], seed: int = 0):
 def check_qtype_linear(c: Any, row: Any, qtype: str, name: str, N: int, K: int, M: int) -> list:
     """One row: the Triton linear of a `qtype` weight [N, K] at M rows vs bf16 F.linear on its
     dequantization."""
-    import torch.nn.functional as F
-
-    from swaserve.engine.quant.dequant import dequantize
     from swaserve.engine.quant.triton_q4 import quant_linear
 
-    torch = c.torch
     w = rand_qweight(c, qtype, (N, K))
-    wd = dequantize(w)  # [N, K] fp32, exact
-    x = torch.randn(M, K, device=c.dev, dtype=torch.bfloat16, generator=c.gen)
-    y = quant_linear(x, w)
-    err = row.rel_err(y, x.float() @ wd.T)
-    wb = wd.to(torch.bfloat16)
-    del wd
-    ms = c.time_ms(lambda: quant_linear(x, w))
-    ref_ms = c.time_ms(lambda: F.linear(x, wb))
-    nbytes = w.data.nbytes + x.nbytes + M * N * 2
-    rate = c.bw(nbytes, ms) if M <= 64 else c.flops(2 * M * N * K, ms)
-    kind = "GEMV" if M <= 4 else "GEMM"
     bpw = 8 * w.data.nbytes / (N * K)
-    return [row.Row(f"{qtype.lower()} {kind} {name}", f"M{M} N{N} K{K}", row.status(err, 2e-2, y), err, ms,
-                    ref_ms, rate, f"{bpw:.2f} bits/weight; torch = bf16 mm on dequantized W")]
+    return [row.linear_row(c, w, M, quant_linear, qtype.lower(), name,
+                           f"{bpw:.2f} bits/weight; torch = bf16 mm on dequantized W")]
 
 
 def check_qtype_moe(c: Any, row: Any, gate_up_type: str, down_type: str, T: int) -> list:
