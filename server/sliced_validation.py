@@ -57,6 +57,15 @@ def _list_adapter(model: type[BaseModel], field: str) -> TypeAdapter | None:
     return TypeAdapter(ann)
 
 
+def _utf8(value: Any) -> bytes | None:
+    """`value` as UTF-8 JSON, or None where it holds a lone surrogate (the model's own check on the whole
+    body then names its path). Each piece is serialized once, in slices, not the whole body up front."""
+    try:
+        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
 def validate_sliced(model: type[M], raw: bytes) -> M | None:
     try:
         data = json.loads(raw)
@@ -69,10 +78,6 @@ def validate_sliced(model: type[M], raw: bytes) -> M | None:
     long = {k: a for k, a in long.items() if a is not None}
     if not long:
         return None
-    try:  # a lone surrogate: the model's own check names its path in the whole body
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, TypeError, ValueError):
-        return None
     errors: list[Any] = []
     items: dict[str, list[Any]] = {}
     for k, adapter in long.items():
@@ -80,15 +85,20 @@ def validate_sliced(model: type[M], raw: bytes) -> M | None:
         whole = data[k]
         for off in range(0, len(whole), SLICE_ITEMS):
             time.sleep(0)  # let the loop run between slices
+            part = _utf8(whole[off:off + SLICE_ITEMS])
+            if part is None:
+                return None
             try:
-                items[k].extend(adapter.validate_json(json.dumps(whole[off:off + SLICE_ITEMS])))
+                items[k].extend(adapter.validate_json(part))
             except ValidationError as e:
                 errors.extend({**err, "loc": (k, err["loc"][0] + off, *err["loc"][1:])}
                               for err in e.errors(include_url=False))
-    rest = {k: ([] if k in long else v) for k, v in data.items()}
+    rest = _utf8({k: ([] if k in long else v) for k, v in data.items()})
+    if rest is None:
+        return None
     time.sleep(0)
     try:
-        m = model.model_validate_json(json.dumps(rest))
+        m = model.model_validate_json(rest)
     except ValidationError as e:
         errors.extend(e.errors(include_url=False))
         m = None

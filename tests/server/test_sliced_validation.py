@@ -62,6 +62,12 @@ def test_not_covered_falls_back(monkeypatch: Any) -> None:
     assert validate_sliced(ChatCompletionRequest, b'{"messages": [') is None  # malformed: pydantic's error
     surrogate = json.dumps(_body(50)).replace('"m40"', '"\\ud800"').encode()
     assert validate_sliced(ChatCompletionRequest, surrogate) is None  # the model names the path
+    bad = _body(50)
+    bad["messages"][2]["content"] = 5  # an error in an earlier slice does not hide a later surrogate
+    bad_surrogate = json.dumps(bad).replace('"m40"', '"\\ud800"').encode()
+    assert validate_sliced(ChatCompletionRequest, bad_surrogate) is None
+    in_rest = json.dumps({**_body(50), "user": "\ud800"}).encode()  # outside the sliced lists
+    assert validate_sliced(ChatCompletionRequest, in_rest) is None
     # `prompt` is str | list[...] | ...: not a plain list field, left to the one call
     assert validate_sliced(CompletionRequest, json.dumps({"prompt": list(range(50))}).encode()) is None
 
