@@ -31,6 +31,7 @@ it and engine/attention/kv_offload.py's MmapTierIO:
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -43,6 +44,7 @@ import torch
 from swaserve.engine.attention.kv_offload import MmapTierIO, _move
 from swaserve.engine.kvcache.tier import SlotSpace
 
+log = logging.getLogger("swaserve.engine")
 STAGING_BYTES = 256 << 20  # the write-behind staging buffer when the host level is off
 Key = tuple[str, int]  # (kind, slot of the file)
 
@@ -279,7 +281,10 @@ class HostTierIO:
                     self.cond.wait()
                 if self.stopping and not self.dirty:
                     return
-            self.work_once()
+            try:
+                self.work_once()
+            except Exception:  # noqa: BLE001 - a failed write leaves its record unsealed; keep serving
+                log.exception("KV tier background job failed")
 
     def work_once(self) -> bool:
         """Do one queued job (fetches first: a request waits for them); False when there is none."""
@@ -377,9 +382,8 @@ class HostTierIO:
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
-        else:
-            while self.work_once():
-                pass
+        while self.work_once():  # no thread, or it died: seal what is left here
+            pass
 
     def close(self) -> None:
         """Seal every queued write, join the thread, close the file."""
