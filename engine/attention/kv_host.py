@@ -59,7 +59,10 @@ class HostCopies:
         self.side = torch.cuda.Stream(device) if self.cuda else None
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        if not self.cuda:
+            t.fill_(0)  # resident now (pinned memory is): no page faults in the step's copies
+        return t
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """dst (host frame) <- src (pool page); the event the reader of dst waits for (None: done)."""
@@ -369,6 +372,16 @@ class HostTierIO:
         with self.cond:
             while self.dirty or self.writing or self.fetches or self.loading:
                 self.cond.wait()
+
+    def drop_frames(self) -> int:
+        """Release every frame whose record is on disk (the records stay); how many."""
+        with self.cond:
+            n = len(self.clean)
+            while self.clean:
+                k, f = self.clean.popitem(last=False)
+                del self.frames[k]
+                self._free(f)
+            return n
 
     def detach(self) -> MmapTierIO:
         """Drain, stop the thread, and hand back the file (for a synchronous comparison)."""
