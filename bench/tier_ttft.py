@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{disk_reads:.0f} pages, {disk_bytes / 2**20:.1f} MiB read and verified in {disk_s:.3f} s from a "
           f"dropped page cache; fetch: {n_fetched:.0f} records in {fetch_s:.3f} s in the background, then "
           f"{fetch_hits:.0f} host hits at admission")
-    print(f"{'evicting the prefix (in the step)':<34}{'stall wall s':>13}{'stall CPU s':>12}{'in write s':>11}"
-          f"{'MiB':>8}{'writer s':>10}")
+    print(f"{'evicting the prefix (in the step)':<34}{'stall wall s':>13}{'stall CPU s':>12}"
+          f"{'in write s':>11}{'MiB':>8}{'writer s':>10}")
     print(f"{'synchronous (the file alone)':<34}{stall_sync[0]:>13.3f}{stall_sync[1]:>12.3f}"
           f"{in_write_sync:>11.3f}{wrote_sync / 2**20:>8.1f}{'-':>10}")
     print(f"{'write-behind (host frames)':<34}{stall_async[0]:>13.3f}{stall_async[1]:>12.3f}{in_write:>11.3f}"

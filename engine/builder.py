@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_host import STAGING_BYTES, HostCopies, HostTierIO
+from swaserve.engine.attention.kv_copies import HostCopies
+from swaserve.engine.attention.kv_host import STAGING_BYTES, HostTierIO
 from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
@@ -181,8 +182,9 @@ def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVT
     host_blocks = max(1, int(host_bytes // block_bytes))
     io = HostTierIO(disk, host_blocks, retain=host_gb > 0, copies=HostCopies(bundle.device))
     tier = KVTier(io, blocks, pool.full_per_block, name="host+disk" if host_gb > 0 else "disk")
-    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s; %s %.2f GiB%s", disk.path, blocks,
-             blocks * block_bytes / 2**30, tier.reopened, " (file reinitialised)" if disk.reinitialised else "",
+    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s; %s %.2f GiB%s", disk.path,
+             blocks, blocks * block_bytes / 2**30, tier.reopened,
+             " (file reinitialised)" if disk.reinitialised else "",
              "host level" if host_gb > 0 else "write-behind staging", host_blocks * block_bytes / 2**30,
              " pinned" if bundle.device.type == "cuda" else "")
     return tier

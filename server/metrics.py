@@ -139,8 +139,8 @@ def _tier_levels(tier: dict[str, Any], model: str) -> Iterator[Any]:
                                "because every host frame was waiting for the disk.", labels=labels)
     sync.add_metric([model], float(tier["sync_writes"]))
     yield sync
-    pending = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "Offload-tier pages in host memory waiting "
-                                "for the background writer.", labels=labels)
+    pending = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "Offload-tier pages in host memory "
+                                "waiting for the background writer.", labels=labels)
     pending.add_metric([model], float(tier["pending_writes"]))
     yield pending
     host = GaugeMetricFamily(PREFIX + "kv_tier_host_bytes", "The offload tier's host level: bytes held and "

@@ -5,8 +5,8 @@ it and engine/attention/kv_offload.py's MmapTierIO:
 
 - write (an eviction, inside the scheduler's step): the page's bytes go into a host frame (CPU: a memcpy;
   CUDA: a device-to-host copy on a side stream that waits for the kernels queued so far, and the compute
-  stream waits for the copy before any later kernel can reuse the freed page; the host never waits) and
-  the record is queued. The step does not touch the file.
+  stream waits for the copy before any later kernel can reuse the freed page; the host never waits:
+  engine/attention/kv_copies.py) and the record is queued. The step does not touch the file.
 - a background thread (one per tier) seals queued records into the file, least recently used first:
   unseal, copy, CRC-32, then the seal under the lock, only if the record is still the slot's (a record
   invalidated or replaced meanwhile stays unsealed). It waits for the frame's copy event first.
@@ -41,59 +41,12 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_offload import MmapTierIO, _move
+from swaserve.engine.attention.kv_offload import MmapTierIO
 from swaserve.engine.kvcache.tier import SlotSpace
 
 log = logging.getLogger("swaserve.engine")
 STAGING_BYTES = 256 << 20  # the write-behind staging buffer when the host level is off
 Key = tuple[str, int]  # (kind, slot of the file)
-
-
-class HostCopies:
-    """The copies between the KV pool and host frames. CUDA: pinned frames; device-to-host copies on a side
-    stream ordered by events; host-to-device copies on the compute stream. CPU: memcpy, no events."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        if not self.cuda:
-            t.fill_(0)  # resident now (pinned memory is): no page faults in the step's copies
-        return t
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """dst (host frame) <- src (pool page); the event the reader of dst waits for (None: done)."""
-        if not self.cuda:
-            _move(dst, src)
-            return None
-        cur = torch.cuda.current_stream(self.device)
-        before = torch.cuda.Event()
-        before.record(cur)
-        self.side.wait_event(before)  # after the kernels queued so far: the ones that wrote the page
-        with torch.cuda.stream(self.side):
-            dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self.side)
-        cur.wait_event(done)  # later kernels, which may reuse the freed page, run after the copy read it
-        return done
-
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """dst (pool page) <- src (host frame) on the compute stream; the event after which src may change."""
-        if not self.cuda:
-            _move(dst, src)
-            return None
-        dst.copy_(src, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def wait(self, ev: Any) -> None:
-        """Block this (background) thread until ev's copy is done."""
-        if ev is not None:
-            ev.synchronize()
 
 
 @dataclass(eq=False)
@@ -194,8 +147,8 @@ class HostTierIO:
             gen = self._bump(k)
             self.fetches.pop(k, None)
             h = self._alloc(kind)
-            if h is None:  # every frame waits for the disk: write through (and wait for a write of this slot)
-                while k in self.writing:
+            if h is None:  # every frame waits for the disk: write through, after the write in progress
+                while self.writing:  # (it may be a flushed record of this slot or of one sharing its block)
                     self.cond.wait()
             else:
                 f = _Frame(kind, slot, h, key, "staging", gen)
@@ -409,6 +362,7 @@ class HostTierIO:
     def stats(self) -> dict[str, Any]:
         with self.cond:
             held = sum(self.page_bytes[f.kind] for f in self.frames.values())
-            return {"host_level": self.retain, "host_capacity_bytes": self.host_blocks * self.page_bytes["swa"],
+            return {"host_level": self.retain,
+                    "host_capacity_bytes": self.host_blocks * self.page_bytes["swa"],
                     "host_bytes": held, "pending_writes": len(self.dirty) + len(self.writing),
                     **self.n, **self.t}

@@ -162,7 +162,8 @@ class MmapTierIO:
         """Write the header that makes the record valid (after its payload is in place)."""
         if self._intact():
             n = self.page_bytes[kind]
-            REC.pack_into(self.mm, self._rec_off(kind, slot), REC_MAGIC, KIND_CODE[kind], key, self.fp, crc, n)
+            REC.pack_into(self.mm, self._rec_off(kind, slot), REC_MAGIC, KIND_CODE[kind], key, self.fp, crc,
+                          n)
 
     def read_into(self, kind: str, slot: int, dst: torch.Tensor) -> bytes | None:
         """Copy a sealed record of this fingerprint into the host tensor `dst` and verify the copy (CRC-32

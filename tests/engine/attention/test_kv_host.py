@@ -12,7 +12,8 @@ import threading
 import pytest
 import torch
 
-from swaserve.engine.attention.kv_host import HostCopies, HostTierIO
+from swaserve.engine.attention.kv_copies import HostCopies
+from swaserve.engine.attention.kv_host import HostTierIO
 from swaserve.engine.attention.kv_offload import MmapTierIO, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool
 from swaserve.engine.kvcache.tier import KVTier, chain_keys
@@ -268,7 +269,8 @@ def test_interpreter_exit_drains_the_queue(tmp_path) -> None:
     does nothing, so without the hook nothing would reach the file)."""
     code = f"""
 import torch
-from swaserve.engine.attention.kv_host import HostCopies, HostTierIO
+from swaserve.engine.attention.kv_copies import HostCopies
+from swaserve.engine.attention.kv_host import HostTierIO
 from swaserve.engine.attention.kv_offload import MmapTierIO, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool
 from swaserve.engine.kvcache.tier import KVTier, chain_keys
