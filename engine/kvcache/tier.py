@@ -197,6 +197,11 @@ class KVTier:
                 if slot is not None:
                     pf(kind, slot)
 
+    @property
+    def can_fetch(self) -> bool:
+        """Whether the store reads records ahead into a host level (fetch)."""
+        return hasattr(self.io, "fetch")
+
     def fetch(self, kind: str, keys: Sequence[bytes]) -> int:
         """Ask the store to bring these records into its host level in the background, verified (a request
         waiting in the queue will promote them); how many reads it queued (0: the store has no such level)."""

@@ -70,6 +70,8 @@ def prefetch(kv: KVManager, ids: Sequence[int]) -> int:
     Returns the reads queued (0 without a host level). Changes nothing in the tree."""
     cache, tier = kv.cache, kv.tier
     assert isinstance(cache, SWARadixCache) and tier is not None
+    if not tier.can_fetch:
+        return 0
     p, base, k, keys = plan(cache, tier, ids)
     if k <= base:
         return 0
