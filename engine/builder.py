@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from swaserve.engine.attention.kv_copies import HostCopies
+from swaserve.engine.attention.kv_host import STAGING_BYTES, HostTierIO
 from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.chat_template import ChatTemplate
@@ -155,6 +157,9 @@ def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
                          swa_retain_tokens=cache_cfg.swa_retain_budget, policy=cache_cfg.swa_retain_policy)
 
 
+HOST_GB_CUDA = 4.0  # the default host level on CUDA (--kv-offload-host-gb)
+
+
 def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVTier:
     """The second KV tier (`--kv-offload-dir`, `--kv-offload-gb`): a memory-mapped file of arena-shaped
     blocks whose records carry a fingerprint of the model file, its config, the KV layout and the numerics."""
@@ -168,10 +173,20 @@ def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVT
     fp = fingerprint(["swaserve-kv-tier", 1, file_identity(bundle.path), bundle.config, str(pool.dtype),
                       pool.page_size, pool.full_per_block, pool.full_record, pool.swa_record,
                       cfg.cpu_matmul, bundle.device.type])
-    io = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
-    tier = KVTier(io, blocks, pool.full_per_block, name="disk")
-    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s", io.path, blocks,
-             blocks * block_bytes / 2**30, tier.reopened, " (file reinitialised)" if io.reinitialised else "")
+    disk = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
+    host_gb = c.kv_offload_host_gb
+    if host_gb is None:
+        host_gb = HOST_GB_CUDA if bundle.device.type == "cuda" else 0.0
+    host_bytes = min(host_gb * 2**30, blocks * block_bytes) if host_gb > 0 else \
+        min(STAGING_BYTES, blocks * block_bytes)
+    host_blocks = max(1, int(host_bytes // block_bytes))
+    io = HostTierIO(disk, host_blocks, retain=host_gb > 0, copies=HostCopies(bundle.device))
+    tier = KVTier(io, blocks, pool.full_per_block, name="host+disk" if host_gb > 0 else "disk")
+    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s; %s %.2f GiB%s", disk.path,
+             blocks, blocks * block_bytes / 2**30, tier.reopened,
+             " (file reinitialised)" if disk.reinitialised else "",
+             "host level" if host_gb > 0 else "write-behind staging", host_blocks * block_bytes / 2**30,
+             " pinned" if bundle.device.type == "cuda" else "")
     return tier
 
 

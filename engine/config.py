@@ -127,6 +127,13 @@ class CacheConfig:
     kv_offload_gb: float = option(
         8.0, "--kv-offload-gb", min=0, min_exclusive=True,
         help="size of the second KV tier's file with --kv-offload-dir (default 8)")
+    # the host-memory level in front of that file (pinned on CUDA); None = 4 GiB on CUDA, off on CPU (where
+    # the OS page cache holds the file); off still stages evicted pages in 256 MiB for the background writer
+    kv_offload_host_gb: float | None = option(
+        None, "--kv-offload-host-gb", min=0,
+        help="host memory (pinned on CUDA) in front of the --kv-offload-dir file: evicted pages land there "
+             "and a background thread writes them to the file; hits there are promoted with a plain copy "
+             "(default: 4 on CUDA, 0 = off on CPU)")
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,37 @@ class _EngineCollector(Collector):
             usage.add_metric([model, "used"], float(tier["bytes"]))
             usage.add_metric([model, "capacity"], float(tier["capacity_bytes"]))
             yield usage
+            if "host_hits" in tier:  # its host level and background thread (engine/attention/kv_host.py)
+                yield from _tier_levels(tier, model)
+
+
+def _tier_levels(tier: dict[str, Any], model: str) -> Iterator[Any]:
+    labels = ["model_name"]
+    reads = CounterMetricFamily(PREFIX + "kv_tier_level_reads", "Offload-tier pages promoted, by the level "
+                                "they came from (host: a plain copy; disk: read and verified).",
+                                labels=["model_name", "level"])
+    reads.add_metric([model, "host"], float(tier["host_hits"]))
+    reads.add_metric([model, "disk"], float(tier["disk_reads"]))
+    yield reads
+    fetches = CounterMetricFamily(PREFIX + "kv_tier_fetches", "Background reads of queued requests' records "
+                                  "into the host level, by outcome.", labels=["model_name", "result"])
+    for result, key in (("fetched", "fetched"), ("rejected", "fetch_rejected"), ("skipped", "fetch_skipped"),
+                        ("cancelled", "fetch_cancelled"), ("timed_out", "fetch_timeouts")):
+        fetches.add_metric([model, result], float(tier[key]))
+    yield fetches
+    sync = CounterMetricFamily(PREFIX + "kv_tier_sync_writes", "Offload-tier pages written inside the step "
+                               "because every host frame was waiting for the disk.", labels=labels)
+    sync.add_metric([model], float(tier["sync_writes"]))
+    yield sync
+    pending = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "Offload-tier pages in host memory "
+                                "waiting for the background writer.", labels=labels)
+    pending.add_metric([model], float(tier["pending_writes"]))
+    yield pending
+    host = GaugeMetricFamily(PREFIX + "kv_tier_host_bytes", "The offload tier's host level: bytes held and "
+                             "its capacity.", labels=["model_name", "state"])
+    host.add_metric([model, "used"], float(tier["host_bytes"]))
+    host.add_metric([model, "capacity"], float(tier["host_capacity_bytes"]))
+    yield host
 
 
 class Metrics:

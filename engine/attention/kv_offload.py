@@ -77,6 +77,12 @@ def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def host_crc(t: torch.Tensor) -> int:
+    """CRC-32 of a contiguous host tensor's bytes (zlib releases the GIL while it runs)."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    return zlib.crc32((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
+
+
 class MmapTierIO:
     """TierIO over a memory-mapped file (see the module docstring)."""
 
@@ -136,16 +142,47 @@ class MmapTierIO:
         with memoryview(self.mm) as mv:
             return zlib.crc32(mv[off:off + n])
 
+    # ---- the halves of a write (engine/attention/kv_host.py's writer calls them from its thread) ----------
+    def unseal(self, kind: str, slot: int) -> None:
+        """Clear the record header of `slot`: from now until seal() the record is not valid."""
+        if self._intact():
+            ro = self._rec_off(kind, slot)
+            self.mm[ro:ro + REC_BYTES] = bytes(REC_BYTES)
+
+    def fill(self, kind: str, slot: int, src: torch.Tensor) -> int | None:
+        """Copy one record's bytes (host or device tensor) into `slot`'s payload; its CRC-32 (None: the
+        file is broken). The slot must be unsealed."""
+        if not self._intact():
+            return None
+        off, dst = self._payload(kind, slot)
+        _move(dst, src)
+        return self._crc(off, self.page_bytes[kind])
+
+    def seal(self, kind: str, slot: int, key: bytes, crc: int) -> None:
+        """Write the header that makes the record valid (after its payload is in place)."""
+        if self._intact():
+            n = self.page_bytes[kind]
+            REC.pack_into(self.mm, self._rec_off(kind, slot), REC_MAGIC, KIND_CODE[kind], key, self.fp, crc,
+                          n)
+
+    def read_into(self, kind: str, slot: int, dst: torch.Tensor) -> bytes | None:
+        """Copy a sealed record of this fingerprint into the host tensor `dst` and verify the copy (CRC-32
+        of the bytes copied, so a record rewritten meanwhile fails); the record's key, or None."""
+        if not self._intact():
+            return None
+        magic, code, rkey, rfp, crc, n = REC.unpack_from(self.mm, self._rec_off(kind, slot))
+        if magic != REC_MAGIC or code != KIND_CODE[kind] or rfp != self.fp or n != self.page_bytes[kind]:
+            return None
+        _, src = self._payload(kind, slot)
+        _move(dst, src)
+        return rkey if host_crc(dst) == crc else None
+
     # ---- TierIO -----------------------------------------------------------------------------------
     def write(self, kind: str, page: int, slot: int, key: bytes) -> None:
-        if not self._intact():
-            return
-        ro = self._rec_off(kind, slot)
-        self.mm[ro:ro + REC_BYTES] = bytes(REC_BYTES)  # unsealed while the payload changes
-        off, dst = self._payload(kind, slot)
-        _move(dst, self._page(kind, page))
-        n = self.page_bytes[kind]
-        REC.pack_into(self.mm, ro, REC_MAGIC, KIND_CODE[kind], key, self.fp, self._crc(off, n), n)
+        self.unseal(kind, slot)  # unsealed while the payload changes
+        crc = self.fill(kind, slot, self._page(kind, page))
+        if crc is not None:
+            self.seal(kind, slot, key, crc)
 
     def read(self, kind: str, slot: int, page: int, key: bytes) -> bool:
         if not self._intact():

@@ -197,6 +197,25 @@ class KVTier:
                 if slot is not None:
                     pf(kind, slot)
 
+    @property
+    def can_fetch(self) -> bool:
+        """Whether the store reads records ahead into a host level (fetch)."""
+        return hasattr(self.io, "fetch")
+
+    def fetch(self, kind: str, keys: Sequence[bytes]) -> int:
+        """Ask the store to bring these records into its host level in the background, verified (a request
+        waiting in the queue will promote them); how many reads it queued (0: the store has no such level)."""
+        fetch = getattr(self.io, "fetch", None)
+        if fetch is None:
+            return 0
+        return sum(fetch(kind, self._lru[(kind, key)]) for key in keys if (kind, key) in self._lru)
+
+    def close(self) -> None:
+        """Let the store finish its writes and close (a restart finds every record written)."""
+        close = getattr(self.io, "close", None)
+        if close is not None:
+            close()
+
     def load(self, kind: str, key: bytes, page: int) -> bool:
         """Copy the record of `key` into pool page `page`; False (record dropped) when the tier lacks it or
         it fails verification."""
@@ -250,6 +269,7 @@ class KVTier:
             "rejected": self.rejected, "dropped": self.dropped, "promotions": self.promotions,
             "promoted_tokens": self.promoted_tokens, "reopened": self.reopened,
             "read_seconds": self.read_seconds, "write_seconds": self.write_seconds,
+            **(self.io.stats() if hasattr(self.io, "stats") else {}),  # the store's levels and queues
         }
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from swaserve.engine.core import Req
 from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
 from swaserve.engine.kvcache.tier import KVTier
-from swaserve.engine.scheduler.promote import promote
+from swaserve.engine.scheduler.promote import prefetch, promote
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -61,6 +61,11 @@ class KVManager:
         req.swa_drop_from = len(req.full_pages)
         assert len(req.full_pages) * self.page_size == m.reused_len
         return m.reused_len
+
+    def prefetch(self, req: Req) -> None:
+        """The request entered the queue: the tier may start reading what its admission will promote."""
+        if self.tier is not None:
+            prefetch(self, req.token_ids)
 
     def unadmit(self, req: Req) -> None:
         """Undo admit() for a request that got no pages of its own."""

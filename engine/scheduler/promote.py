@@ -6,7 +6,8 @@ the window before it (the reuse rule of engine/kvcache/radix_cache.py). If the p
 tree alone gives, fresh pool pages are allocated (evicting, which may itself write pages to the tier), the
 tier's records are verified and copied into them, and they are inserted into the tree, so the ordinary
 match finds them. Any failure (no memory, a record dropped or rejected meanwhile) undoes the promotion:
-nothing unverified is ever inserted.
+nothing unverified is ever inserted. `prefetch`, called when the request enters the queue, lets a tier with a
+host level (engine/attention/kv_host.py) read those records in the background meanwhile.
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, i
             break
         k = holes[-1]  # a reuse point must end at or before the deepest hole
     return p, base, max(k, base), keys[:max(k, base)]
+
+
+def prefetch(kv: KVManager, ids: Sequence[int]) -> int:
+    """A request entered the queue: ask the tier to read, in the background, the records a promotion of
+    `ids` would load now (into its host level, verified), so that the admission copies from host memory.
+    Returns the reads queued (0 without a host level). Changes nothing in the tree."""
+    cache, tier = kv.cache, kv.tier
+    assert isinstance(cache, SWARadixCache) and tier is not None
+    if not tier.can_fetch:
+        return 0
+    p, base, k, keys = plan(cache, tier, ids)
+    if k <= base:
+        return 0
+    _, swa, _ = cache.probe(ids, min(k, p))
+    loads = [keys[i] for i in range(cache.window_start(k), k) if not (i < p and swa[i] is not None)]
+    return tier.fetch("full", keys[p:k]) + tier.fetch("swa", loads)
 
 
 def promote(kv: KVManager, ids: Sequence[int]) -> int:

@@ -52,6 +52,7 @@ class Scheduler:
         req.arrival_seq = next(self._seq)
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        self.kv.prefetch(req)  # a tier with a host level reads what its admission will promote meanwhile
 
     def abort(self, request_id: str) -> None:
         """Mark every choice of request_id; they finish with 'abort' at the start of the next step."""

@@ -88,3 +88,28 @@ def test_promoted_kv_equals_recomputed_kv(tmp_path, plain) -> None:
     rf, rs = _prefix_kv(plain, follow, pages)
     assert torch.equal(pf, rf) or torch.allclose(pf, rf, atol=1e-5, rtol=1e-5)
     assert torch.allclose(ps, rs, atol=1e-5, rtol=1e-5)
+
+
+def test_host_level_and_queued_prefetch_keep_outputs_exact(tmp_path, plain) -> None:
+    """A small host level in front of the file (--kv-offload-host-gb): the second round is submitted at once,
+    so requests wait in the queue while their records are fetched in the background."""
+    tiered = LLM(kv_offload_dir=str(tmp_path), kv_offload_gb=0.05, kv_offload_host_gb=0.0002, **KW)
+    prompts = fanout_prompts(plain)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    a = run(plain, prompts) + plain.generate(prompts, greedy)
+    b = run(tiered, prompts) + tiered.generate(prompts, greedy)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    eng = tiered.engine
+    s = eng.stats()
+    t = s["kv_tier"]
+    assert t["host_level"] and t["promotions"] > 0 and t["rejected"] == 0
+    assert t["fetch_queued"] > 0 and t["host_hits"] > 0  # (how many fetches finish first depends on timing)
+    assert t["pages_read_full"] + t["pages_read_swa"] == t["host_hits"] + t["disk_reads"]
+    by_tier = s["prefix_cache_hit_tokens_by_tier"]
+    assert by_tier["memory"] + by_tier["offload"] == s["prefix_cache_hit_tokens"]
+    eng.scheduler.check_integrity()
+    eng.cache.check_integrity(used_full=0, used_swa=0)
+    eng.tier.io.drain()
+    assert eng.tier.stats()["pending_writes"] == 0
+    assert eng.flush_cache() and len(eng.tier) == 0 and eng.tier.stats()["host_bytes"] == 0
+    eng.tier.close()
