@@ -18,7 +18,13 @@ from typing import Any, Protocol
 
 import jinja2
 
-from swaserve.engine.template_sandbox import RenderLimit, make_environment, render_bounded, render_budget
+from swaserve.engine.template_sandbox import (
+    RenderLimit,
+    RenderLimits,
+    make_environment,
+    render_bounded,
+    render_budget,
+)
 
 
 class TemplateTokenizer(Protocol):
@@ -151,11 +157,13 @@ class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
     def __init__(self, template_source: str, tokenizer: TemplateTokenizer,
-                 name: str = "the model's chat template (tokenizer.chat_template)") -> None:
+                 name: str = "the model's chat template (tokenizer.chat_template)",
+                 limits: RenderLimits | None = None) -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
         self.source = template_source
         self.name = name  # in error messages (the server's 400s)
+        self.limits = limits or RenderLimits()  # one render's time and size (engine/template_sandbox.py)
         self.tokenizer = tokenizer
         try:
             self._template = make_environment().from_string(template_source)
@@ -181,7 +189,7 @@ class ChatTemplate:
             bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
         )
         try:
-            return render_bounded(template, ctx)
+            return render_bounded(template, ctx, self.limits)
         except RenderLimit as e:
             raise RenderLimit(f"chat template error: {e}") from None
         except jinja2.TemplateError as e:  # includes SecurityError and raise_exception()
@@ -194,7 +202,7 @@ class ChatTemplate:
         """Render, tokenize, and locate the token offset at which each message starts."""
         msgs = normalize_messages(messages)
         tls = normalize_tools(tools)
-        with render_budget():  # the render and its message-start probes share one deadline
+        with render_budget(self.limits):  # the render and its message-start probes share one deadline
             text = self.render_text(msgs, tls, add_generation_prompt, **kwargs)
             chars = self._char_starts(msgs, tls, text, kwargs)
         tok = self.tokenizer
