@@ -177,8 +177,9 @@ class ChatTemplate:
         self._lock = threading.Lock()
 
     def render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render already-normalized messages to text (no validation)."""
+                    add_generation_prompt: bool = True, /, **kwargs: Any) -> str:
+        """Render already-normalized messages to text (no validation). The template variables in `kwargs`
+        may have any name (`self` included): the parameters before it are positional-only."""
         return self._render(self._template, messages, tools, add_generation_prompt, kwargs)
 
     def _render(self, template: jinja2.Template, messages: list[dict[str, Any]], tools: Any,
@@ -197,9 +198,11 @@ class ChatTemplate:
         except (TypeError, AttributeError, LookupError, ValueError, ArithmeticError, RecursionError) as e:
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
-    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+    def render(self, messages: Any, /, tools: Any = None, add_generation_prompt: bool = True,
                **kwargs: Any) -> ChatPrompt:
-        """Render, tokenize, and locate the token offset at which each message starts."""
+        """Render, tokenize, and locate the token offset at which each message starts (`kwargs`: template
+        variables, e.g. a request's chat_template_kwargs; `self` and `messages` among them do not clash
+        with the positional-only parameters)."""
         msgs = normalize_messages(messages)
         tls = normalize_tools(tools)
         with render_budget(self.limits):  # the render and its message-start probes share one deadline

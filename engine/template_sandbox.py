@@ -181,7 +181,7 @@ def render_bounded(template: jinja2.Template, ctx: dict[str, Any], limits: Rende
         parts: list[str] = []
         size = 0
         try:
-            for chunk in template.generate(**ctx):
+            for chunk in template.generate(ctx):  # a dict: any variable name, `self` included
                 size += len(chunk)
                 if size > budget.max_chars:
                     raise RenderLimit(f"rendering produced more than {budget.max_chars} characters "

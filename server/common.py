@@ -162,7 +162,10 @@ class RequestTracker:
 
 async def tracked(state: ServerState, rid: str,
                   handle: Callable[[RequestTracker], Awaitable[Response]]) -> Response:
-    """Run a route body with a RequestTracker: 499 when the client went away, failures logged."""
+    """Run a route body with a RequestTracker: 499 when the client went away, failures logged. An unexpected
+    exception leaves as the 500 APIError it maps to (logged once, with its error id and traceback): raised
+    as itself, it would reach Starlette's last-resort handler, which answers and then re-raises, so that
+    uvicorn logs the traceback again and closes the client's keep-alive connection."""
     tracker = RequestTracker(state, rid)
     try:
         return await handle(tracker)
@@ -171,6 +174,9 @@ async def tracked(state: ServerState, rid: str,
         return Response(status_code=499)
     except Exception as e:
         tracker.fail(e)
+        err = from_exception(e)  # the APIError tracker.fail logged (one error id per exception)
+        if err.status == 500 and not isinstance(e, APIError):
+            raise err from None
         raise
 
 
