@@ -53,6 +53,8 @@ def bounded_number(flag: str, kind: type[int] | type[float], min: float | None =
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be {noun}, got {text!r}") from None
+        if value != value:  # NaN passes every comparison below
+            raise argparse.ArgumentTypeError(f"{flag} must be {noun}, got {text!r}")
         too_low = min is not None and (value <= min if min_exclusive else value < min)
         too_high = max is not None and value > max
         if too_low or too_high:

@@ -37,6 +37,7 @@ class AsyncEngine:
         self.core = core
         self.tokenizer = core.tokenizer
         self.chat_template = core.chat_template
+        self.render_limits = core.render_limits  # the chat-template render budget (server/state.py)
         self.model_name = core.model_name
         self.model_config = core.model_config
         self.context_length = core.context_length

@@ -35,6 +35,7 @@ from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
+from swaserve.engine.template_sandbox import RenderLimits
 from swaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("swaserve.engine")
@@ -197,7 +198,8 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     device = bundle.device
     tokenizer = Tokenizer.from_metadata(bundle.metadata)
     template_source = bundle.metadata.get("tokenizer.chat_template")
-    chat_template = ChatTemplate(template_source, tokenizer) if template_source else None
+    limits = RenderLimits.of(cfg)  # --chat-template-timeout / --chat-template-max-chars
+    chat_template = ChatTemplate(template_source, tokenizer, limits=limits) if template_source else None
     context = sched_cfg.context_length or model_cfg.context_length
     graphs_on = not cfg.no_cuda_graphs and graphs_supported(bundle.model)
     graph_hold = None

@@ -18,7 +18,13 @@ from typing import Any, Protocol
 
 import jinja2
 
-from swaserve.engine.template_sandbox import RenderLimit, make_environment, render_bounded, render_budget
+from swaserve.engine.template_sandbox import (
+    RenderLimit,
+    RenderLimits,
+    make_environment,
+    render_bounded,
+    render_budget,
+)
 
 
 class TemplateTokenizer(Protocol):
@@ -151,11 +157,13 @@ class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
     def __init__(self, template_source: str, tokenizer: TemplateTokenizer,
-                 name: str = "the model's chat template (tokenizer.chat_template)") -> None:
+                 name: str = "the model's chat template (tokenizer.chat_template)",
+                 limits: RenderLimits | None = None) -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
         self.source = template_source
         self.name = name  # in error messages (the server's 400s)
+        self.limits = limits or RenderLimits()  # one render's time and size (engine/template_sandbox.py)
         self.tokenizer = tokenizer
         try:
             self._template = make_environment().from_string(template_source)
@@ -169,8 +177,9 @@ class ChatTemplate:
         self._lock = threading.Lock()
 
     def render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render already-normalized messages to text (no validation)."""
+                    add_generation_prompt: bool = True, /, **kwargs: Any) -> str:
+        """Render already-normalized messages to text (no validation). The template variables in `kwargs`
+        may have any name (`self` included): the parameters before it are positional-only."""
         return self._render(self._template, messages, tools, add_generation_prompt, kwargs)
 
     def _render(self, template: jinja2.Template, messages: list[dict[str, Any]], tools: Any,
@@ -181,7 +190,7 @@ class ChatTemplate:
             bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
         )
         try:
-            return render_bounded(template, ctx)
+            return render_bounded(template, ctx, self.limits)
         except RenderLimit as e:
             raise RenderLimit(f"chat template error: {e}") from None
         except jinja2.TemplateError as e:  # includes SecurityError and raise_exception()
@@ -189,12 +198,14 @@ class ChatTemplate:
         except (TypeError, AttributeError, LookupError, ValueError, ArithmeticError, RecursionError) as e:
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
-    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+    def render(self, messages: Any, /, tools: Any = None, add_generation_prompt: bool = True,
                **kwargs: Any) -> ChatPrompt:
-        """Render, tokenize, and locate the token offset at which each message starts."""
+        """Render, tokenize, and locate the token offset at which each message starts (`kwargs`: template
+        variables, e.g. a request's chat_template_kwargs; `self` and `messages` among them do not clash
+        with the positional-only parameters)."""
         msgs = normalize_messages(messages)
         tls = normalize_tools(tools)
-        with render_budget():  # the render and its message-start probes share one deadline
+        with render_budget(self.limits):  # the render and its message-start probes share one deadline
             text = self.render_text(msgs, tls, add_generation_prompt, **kwargs)
             chars = self._char_starts(msgs, tls, text, kwargs)
         tok = self.tokenizer

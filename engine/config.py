@@ -183,6 +183,16 @@ class EngineConfig:
         False, "--no-cuda-graphs",
         help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "
              "bucket (engine/cuda_graphs.py; graphs are on by default with the triton backends)")
+    # one chat-template render's budget (engine/template_sandbox.py RenderLimits); None = the sandbox's
+    # defaults (RENDER_TIME_LIMIT_S = 10 s, RENDER_MAX_CHARS = 16 Mi), read when each render starts
+    chat_template_timeout: float | None = option(
+        None, "--chat-template-timeout", min=0, min_exclusive=True,
+        help="seconds of wall time one chat-template render may take; past it the request gets a 400 "
+             "naming the template (default 10)")
+    chat_template_max_chars: int | None = option(
+        None, "--chat-template-max-chars", min=1,
+        help="characters one chat-template render may produce, or build in any string, list or dict; "
+             "past it the request gets a 400 naming the template (default 16777216 = 16 Mi)")
     # check the cache and pool invariants after every step (slow); the default follows $SWASERVE_DEBUG,
     # read when the config (or the flag parser) is built
     debug_checks: bool = option(

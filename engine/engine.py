@@ -21,6 +21,7 @@ from swaserve.engine.grammar import GrammarBackend
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
+from swaserve.engine.template_sandbox import RenderLimits
 from swaserve.engine.text_stream import TextStream
 
 log = logging.getLogger("swaserve.engine")
@@ -64,6 +65,7 @@ class Engine:
         self.tokenizer = parts.tokenizer
         self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
+        self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc

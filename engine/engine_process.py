@@ -43,6 +43,7 @@ from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, 
 from swaserve.engine.kvcache.snapshot import SlicedCalls
 from swaserve.engine.output_stream import read_choices
 from swaserve.engine.scheduler.requests import check_lengths
+from swaserve.engine.template_sandbox import RenderLimits
 from swaserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("swaserve.engine")
@@ -182,7 +183,9 @@ class EngineClient:
         meta = ready["tokenizer_metadata"]
         self.tokenizer = Tokenizer.from_metadata(meta)
         template = meta.get("tokenizer.chat_template")
-        self.chat_template = ChatTemplate(template, self.tokenizer) if template else None
+        self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
+        self.chat_template = (ChatTemplate(template, self.tokenizer, limits=self.render_limits) if template
+                              else None)
         self.generation_defaults: dict[str, float] = ready["generation_defaults"]  # general.sampling.*
         self.log_requests = False  # the engine process never logs per request; the server does
         self._stats: dict[str, Any] = ready["stats"]

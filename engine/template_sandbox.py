@@ -1,10 +1,12 @@
 """The sandboxed jinja2 environment chat templates render in, with a render budget.
 
 A GGUF's `tokenizer.chat_template` is untrusted: `ImmutableSandboxedEnvironment` (no Python internals, no
-files, no mutation) plus limits on what one render may take: wall time (RENDER_TIME_LIMIT_S) and size
-(RENDER_MAX_CHARS characters of output, and of any string, list or dict built on the way, checked on
-every call, attribute or item access and on `*`, `**`, `+` before they build a value). A render past
-either limit raises RenderLimit (a ValueError: the server answers 400 naming the template).
+files, no mutation) plus limits on what one render may take (RenderLimits: `--chat-template-timeout`,
+`--chat-template-max-chars`; unset, the module defaults RENDER_TIME_LIMIT_S and RENDER_MAX_CHARS, read
+when a render starts): wall time, and size (characters of output, and of any string, list or dict built
+on the way, checked on every call, attribute or item access and on `*`, `**`, `+` before they build a
+value). A render past either limit raises RenderLimit (a ValueError: the server answers 400 naming the
+template).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -47,16 +50,43 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-RENDER_TIME_LIMIT_S = 10.0
+RENDER_TIME_LIMIT_S = 10.0  # the defaults of --chat-template-timeout and --chat-template-max-chars
 RENDER_MAX_CHARS = 16 * 1024 * 1024
 
 
 class RenderLimit(ValueError):
-    """A template ran past RENDER_TIME_LIMIT_S or built more than RENDER_MAX_CHARS characters."""
+    """A template ran past its time limit or built more characters than its size limit."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """What one render may take: `time_s` seconds of wall time and `max_chars` characters (of output, or
+    items of any value built). None = the module default (RENDER_TIME_LIMIT_S / RENDER_MAX_CHARS), read
+    when each render starts."""
+
+    time_s: float | None = None
+    max_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        t, n = self.time_s, self.max_chars
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):  # NaN too
+            raise ValueError(f"--chat-template-timeout must be a positive number of seconds, got {t!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"--chat-template-max-chars must be a positive integer, got {n!r}")
+
+    @classmethod
+    def of(cls, cfg: object) -> RenderLimits:
+        """From an EngineConfig's chat_template_timeout / chat_template_max_chars."""
+        return cls(getattr(cfg, "chat_template_timeout", None), getattr(cfg, "chat_template_max_chars", None))
+
+    def resolved(self) -> tuple[float, int]:
+        return (RENDER_TIME_LIMIT_S if self.time_s is None else float(self.time_s),
+                RENDER_MAX_CHARS if self.max_chars is None else self.max_chars)
 
 
 class _Budget(threading.local):
     deadline: float | None = None
+    time_s = RENDER_TIME_LIMIT_S
     max_chars = RENDER_MAX_CHARS
     ticks = 0
 
@@ -70,13 +100,13 @@ def check_time() -> None:
         return
     b.ticks += 1
     if b.ticks & 63 == 0 and time.monotonic() > b.deadline:
-        raise RenderLimit(f"rendering took longer than the limit of {RENDER_TIME_LIMIT_S:g} s")
+        raise RenderLimit(f"rendering took longer than the limit of {b.time_s:g} s (--chat-template-timeout)")
 
 
 def _check_size(value: Any) -> Any:
     if isinstance(value, (str, list, tuple, dict)) and len(value) > budget.max_chars:
         raise RenderLimit(f"rendering built a value of {len(value)} items or characters "
-                          f"(limit {budget.max_chars})")
+                          f"(limit {budget.max_chars}, --chat-template-max-chars)")
     return value
 
 
@@ -108,7 +138,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 sized = isinstance(seq, (str, list, tuple)) and isinstance(n, int)
                 if sized and len(seq) * n > budget.max_chars:
                     raise RenderLimit(f"rendering would build {len(seq) * n} items or characters "
-                                      f"(limit {budget.max_chars})")
+                                      f"(limit {budget.max_chars}, --chat-template-max-chars)")
         if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(right) > 4096 \
                 and abs(left) > 1:
             raise RenderLimit(f"integer power {left} ** {right} is too large for a template")
@@ -128,29 +158,34 @@ def make_environment(undefined: type[jinja2.Undefined] = jinja2.Undefined) -> Im
 
 
 @contextmanager
-def render_budget() -> Iterator[None]:
-    """One render's deadline (nested scopes share the outermost one: a render and its message-start
-    probes count as one)."""
-    if budget.deadline is not None:
+def render_budget(limits: RenderLimits | None = None) -> Iterator[None]:
+    """One render's deadline and size limit (nested scopes share the outermost one: a render and its
+    message-start probes count as one)."""
+    b = budget
+    if b.deadline is not None:
         yield
         return
-    budget.deadline = time.monotonic() + RENDER_TIME_LIMIT_S
+    saved = b.time_s, b.max_chars
+    b.time_s, b.max_chars = (limits or RenderLimits()).resolved()
+    b.deadline = time.monotonic() + b.time_s
     try:
         yield
     finally:
-        budget.deadline = None
+        b.deadline = None
+        b.time_s, b.max_chars = saved
 
 
-def render_bounded(template: jinja2.Template, ctx: dict[str, Any]) -> str:
+def render_bounded(template: jinja2.Template, ctx: dict[str, Any], limits: RenderLimits | None = None) -> str:
     """template.render(**ctx) within the budget (the output counted as it is produced)."""
-    with render_budget():
+    with render_budget(limits):
         parts: list[str] = []
         size = 0
         try:
-            for chunk in template.generate(**ctx):
+            for chunk in template.generate(ctx):  # a dict: any variable name, `self` included
                 size += len(chunk)
                 if size > budget.max_chars:
-                    raise RenderLimit(f"rendering produced more than {budget.max_chars} characters")
+                    raise RenderLimit(f"rendering produced more than {budget.max_chars} characters "
+                                      "(--chat-template-max-chars)")
                 check_time()
                 parts.append(chunk)
         except MemoryError:

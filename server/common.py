@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError, RequestOutput, TokenLogprob
 from swaserve.server.errors import APIError, from_exception, sse_error
+from swaserve.server.offload import run_cpu
 from swaserve.server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
 
 if TYPE_CHECKING:
@@ -36,23 +38,49 @@ def _lp(x: float) -> float:
     return max(x, -9999.0) if not math.isnan(x) else -9999.0
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, list[int]]]] = weakref.WeakKeyDictionary()
+
+
 class TokenText:
-    """Token id -> its text (special tokens included), memoised."""
+    """Token id -> its text (special tokens included) and its own bytes, memoised for the tokenizer (one
+    table shared by all requests, at most one entry per vocabulary id).
+
+    Detokenizing is CPU work: the routes `warm` the ids an output's logprobs name (each token and its
+    alternatives) on a worker thread (RouteCtx.prepare) before formatting them, so the event loop only
+    looks them up."""
 
     def __init__(self, tokenizer: Any):
         self.tok = tokenizer
-        self.cache: dict[int, str] = {}
+        try:
+            self.cache = _TOKEN_TEXTS.setdefault(tokenizer, {})
+        except TypeError:  # a tokenizer that takes no weak reference: a table for this request only
+            self.cache = {}
+
+    def _entry(self, tid: int) -> tuple[str, list[int]]:
+        e = self.cache.get(tid)
+        if e is None:
+            e = (self.tok.decode([tid], skip_special_tokens=False), list(self.tok.token_bytes(tid)))
+            self.cache[tid] = e
+        return e
 
     def __call__(self, tid: int) -> str:
-        s = self.cache.get(tid)
-        if s is None:
-            s = self.tok.decode([tid], skip_special_tokens=False)
-            self.cache[tid] = s
-        return s
+        return self._entry(tid)[0]
 
     def bytes(self, tid: int) -> list[int]:
         """The token's own bytes (a byte-fallback token is one byte, not U+FFFD's three)."""
-        return list(self.tok.token_bytes(tid))
+        return self._entry(tid)[1]
+
+    def missing(self, lps: list[TokenLogprob]) -> list[int]:
+        """The ids in `lps` (tokens and alternatives) not memoised yet."""
+        c = self.cache
+        out = [lp.token_id for lp in lps if lp.token_id not in c]
+        out.extend(i for lp in lps for i, _ in lp.top if i not in c)
+        return out
+
+    def warm(self, ids: list[int]) -> None:
+        """Detokenize `ids` into the table (on a worker thread)."""
+        for i in ids:
+            self._entry(i)
 
 
 def chat_logprobs(lps: list[TokenLogprob], text: TokenText, k: int) -> list[dict[str, Any]]:
@@ -134,7 +162,10 @@ class RequestTracker:
 
 async def tracked(state: ServerState, rid: str,
                   handle: Callable[[RequestTracker], Awaitable[Response]]) -> Response:
-    """Run a route body with a RequestTracker: 499 when the client went away, failures logged."""
+    """Run a route body with a RequestTracker: 499 when the client went away, failures logged. An unexpected
+    exception leaves as the 500 APIError it maps to (logged once, with its error id and traceback): raised
+    as itself, it would reach Starlette's last-resort handler, which answers and then re-raises, so that
+    uvicorn logs the traceback again and closes the client's keep-alive connection."""
     tracker = RequestTracker(state, rid)
     try:
         return await handle(tracker)
@@ -143,6 +174,9 @@ async def tracked(state: ServerState, rid: str,
         return Response(status_code=499)
     except Exception as e:
         tracker.fail(e)
+        err = from_exception(e)  # the APIError tracker.fail logged (one error id per exception)
+        if err.status == 500 and not isinstance(e, APIError):
+            raise err from None
         raise
 
 
@@ -192,14 +226,28 @@ class RouteCtx(ABC):
 
     async def next_output(self, stream: OutputStream, request: Request | None = None,
                           poll: float = 0.25) -> tuple[int, RequestOutput] | None:
-        """stream.next(), with engine errors naming the request's own field (param_rename)."""
+        """stream.next(), with engine errors naming the request's own field (param_rename), prepared."""
         try:
-            return await stream.next(request, poll)
+            item = await stream.next(request, poll)
         except RequestError as e:
             new = self.param_rename.get(e.param or "")
             if new is None:
                 raise
             raise APIError(400, str(e).replace(str(e.param), new), new, "invalid_value") from None
+        if item is not None:
+            await self.prepare(item)
+        return item
+
+    async def prepare(self, item: tuple[int, RequestOutput]) -> None:
+        """Off the event loop, before collect / stream_choice format the output: detokenize the ids its
+        logprobs name (`token_text`, when the route has one), one worker-thread call per output that
+        names an id not memoised yet."""
+        text: TokenText | None = getattr(self, "token_text", None)
+        lps = item[1].logprobs
+        if text is not None and lps:
+            missing = text.missing(lps)
+            if missing:
+                await run_cpu(text.warm, missing)
 
     async def respond(self, stream: OutputStream, request: Request) -> Response:
         """JSON body after the last output, or an SSE stream once the first output is in."""

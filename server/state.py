@@ -153,7 +153,8 @@ class ServerState:
                 from swaserve.engine.chat_template import ChatTemplate
 
                 self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
-                                              name="the --chat-template template")
+                                              name="the --chat-template template",
+                                              limits=getattr(engine, "render_limits", None))
             return self._template
         if engine.chat_template is None:
             raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "

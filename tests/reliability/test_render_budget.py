@@ -1,0 +1,138 @@
+"""The chat-template render budget is set by flags (issue 14 item 2): `--chat-template-timeout` cuts a looping
+template at the configured time and `--chat-template-max-chars` refuses output over the configured size,
+both a 400 naming the template; bad values are refused when the flags are parsed. Unset, the sandbox's
+module defaults apply (read when a render starts)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from swaserve import cli
+from swaserve.engine import template_sandbox
+from swaserve.engine.args import engine_config_from_args
+from swaserve.engine.chat_template import ChatTemplate
+from swaserve.engine.template_sandbox import RenderLimit, RenderLimits
+from swaserve.engine.tokenizer import Tokenizer
+from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.server.app import build_app
+from swaserve.server.launch import server_config_from_args
+from tests.reliability.test_limits import assert_envelope
+from tests.server.conftest import LiveServer
+
+# content LOOP: 10^10 iterations; content BIG: 6,000 characters; anything else: the conversation
+TEMPLATE = ("{% if messages[0].content == 'LOOP' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endif %}"
+            "{% if messages[0].content == 'BIG' %}{% for i in range(3000) %}xy{% endfor %}{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+TIMEOUT_S = 0.5
+MAX_CHARS = 4096
+
+
+def _msgs(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_metadata(demo_tokenizer_metadata())
+
+
+def test_limits_apply_to_one_template(tok: Tokenizer) -> None:
+    ct = ChatTemplate(TEMPLATE, tok, limits=RenderLimits(time_s=TIMEOUT_S, max_chars=MAX_CHARS))
+    t0 = time.monotonic()
+    with pytest.raises(RenderLimit, match=r"longer than the limit of 0\.5 s \(--chat-template-timeout\)"):
+        ct.render(_msgs("LOOP"))
+    assert time.monotonic() - t0 < 5  # cut at the configured 0.5 s, not at the default 10 s
+    with pytest.raises(RenderLimit, match=r"more than 4096 characters \(--chat-template-max-chars\)"):
+        ct.render(_msgs("BIG"))
+    assert ct.render(_msgs("hi")).text.startswith("<user>hi")
+    # the same BIG render fits the default size, and a template without limits of its own gets the defaults
+    assert len(ChatTemplate(TEMPLATE, tok).render(_msgs("BIG")).text) > 6000
+
+
+def test_values_built_on_the_way_count_against_the_configured_size(tok: Tokenizer) -> None:
+    ct = ChatTemplate("{% set s = 'ab' * 3000 %}{{ s | length }}", tok,
+                      limits=RenderLimits(max_chars=MAX_CHARS))
+    with pytest.raises(RenderLimit, match="would build 6000 items or characters"):
+        ct.render(_msgs("hi"))
+
+
+def test_unset_limits_follow_the_module_defaults(tok: Tokenizer, monkeypatch: Any) -> None:
+    monkeypatch.setattr(template_sandbox, "RENDER_TIME_LIMIT_S", 0.3)
+    monkeypatch.setattr(template_sandbox, "RENDER_MAX_CHARS", 100_000)
+    ct = ChatTemplate(TEMPLATE, tok)
+    with pytest.raises(RenderLimit, match=r"limit of 0\.3 s"):
+        ct.render(_msgs("LOOP"))
+    big = ChatTemplate("{% for i in range(60000) %}xy{% endfor %}", tok)
+    with pytest.raises(RenderLimit, match="more than 100000 characters"):
+        big.render(_msgs("hi"))
+    # a scope restores the thread's size limit: values built outside a render are not held to the last one
+    assert template_sandbox.budget.deadline is None and template_sandbox.budget.max_chars == 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--chat-template-timeout", "0", "--chat-template-timeout must be positive, got 0.0"),
+    ("--chat-template-timeout", "-3", "--chat-template-timeout must be positive, got -3.0"),
+    ("--chat-template-timeout", "nan", "--chat-template-timeout must be a number, got 'nan'"),
+    ("--chat-template-timeout", "soon", "--chat-template-timeout must be a number, got 'soon'"),
+    ("--chat-template-max-chars", "0", "--chat-template-max-chars must be at least 1, got 0"),
+    ("--chat-template-max-chars", "1.5", "--chat-template-max-chars must be an integer, got '1.5'"),
+])
+def test_bad_flag_values_are_refused_at_start(capsys: Any, flag: str, value: str, message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", flag, value])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw", [{"time_s": 0}, {"time_s": float("nan")}, {"time_s": "10"}, {"max_chars": 0},
+                                {"max_chars": 2.5}, {"max_chars": True}])
+def test_bad_values_from_the_offline_api_are_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="--chat-template-"):
+        RenderLimits(**kw)
+
+
+@pytest.fixture(scope="module")
+def budget_server(tmp_path_factory: Any) -> Iterator[LiveServer]:
+    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.engine import Engine
+    from swaserve.models.registry import load_model
+
+    tpl = tmp_path_factory.mktemp("tpl") / "budget.jinja"
+    tpl.write_text(TEMPLATE)
+    args = cli.build_parser().parse_args([
+        "serve", "--device", "cpu", "--cpu-threads", "1", "--max-total-tokens", "8192",
+        "--max-running-requests", "4",
+        "--chat-template", str(tpl), "--chat-template-timeout", str(TIMEOUT_S),
+        "--chat-template-max-chars", str(MAX_CHARS)])
+    cfg = engine_config_from_args(args)
+    eng = AsyncEngine(Engine(cfg, load_model(cfg, progress=False)))
+    eng.start()
+    s = LiveServer(build_app(eng, server_config_from_args(args)))
+    yield s
+    s.stop()
+    eng.shutdown()
+
+
+def test_flags_reach_both_templates_over_http(budget_server: LiveServer) -> None:
+    engine = budget_server.state.engine
+    assert engine.chat_template.limits == RenderLimits(TIMEOUT_S, MAX_CHARS)  # the GGUF's template
+    with budget_server.http() as h:
+        t0 = time.monotonic()
+        r = h.post("/v1/chat/completions", json={"messages": _msgs("LOOP"), "max_tokens": 1})
+        elapsed = time.monotonic() - t0
+        err = assert_envelope(r, 400, "messages")
+        assert err["code"] == "chat_template_error" and "the --chat-template template" in err["message"]
+        assert "longer than the limit of 0.5 s" in err["message"]
+        assert elapsed < 5, elapsed  # the configured 0.5 s, not the default 10 s
+        r = h.post("/v1/chat/completions", json={"messages": _msgs("BIG"), "max_tokens": 1})
+        err = assert_envelope(r, 400, "messages")
+        assert err["code"] == "chat_template_error" and "the --chat-template template" in err["message"]
+        assert "more than 4096 characters" in err["message"]
+        r = h.post("/v1/chat/completions", json={"messages": _msgs("hi"), "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert h.get("/health").status_code == 200
