@@ -7,9 +7,10 @@ page is useful only within one window before a point a later request can resume 
 written for are the ones retention keeps in the tree (retention.py):
   * the anchors (message starts, prompt ends, finished-sequence ends, branch points), also after
     retention has given their windows up (Node.anchored remembers which pages an anchor protected), and
-  * the node's end where a request can resume there: a leaf (a finished or aborted sequence; not one a
-    running request is still extending chunk by chunk), a radix branch point, or a point a continuation
-    was evicted from; not the end of a prefill chunk that one continuation passes through,
+  * the node's end where a request can resume there: a radix branch point, or a leaf that ends a
+    sequence (not one a running request is still extending chunk by chunk, nor one whose continuation
+    was evicted: that continuation went to the tier); not the end of a prefill chunk that one
+    continuation passes through,
 each with the window before it and the divergence slack (--swa-retain-budget tokens) before that,
 i.e. the pages [align_down(end) - window - swa_retain_tokens, end). An SWA page outside every such
 range (the front of a long prompt, whose window no request can ever resume at) is dropped, not
@@ -42,12 +43,13 @@ class DemotionMixin:
 
     @staticmethod
     def _resumable_end(nd: Node) -> bool:
-        """Whether a later request can resume at nd's end: a leaf no running request is extending, a
-        branch point, or a point a continuation was evicted from. Not: the end of a chunk or of a reuse
-        point that one continuation passes through (its window is the continuation's middle)."""
+        """Whether a later request can resume at nd's end: a branch point, or a leaf that ends a sequence
+        (no running request is extending it chunk by chunk, and it did not become a leaf by losing its
+        continuation to eviction: that continuation's full pages went to the tier, so the path goes on
+        there). Not the end of a prefill chunk that one continuation passes through."""
         if nd.children:
-            return len(nd.children) > 1 or bool(nd.lost_keys)
-        return not nd.handle_locks
+            return len(nd.children) > 1
+        return not nd.handle_locks and not nd.lost_keys
 
     def _swa_worth_saving(self, nd: Node, i: int, protected: bool) -> bool:
         """Whether SWA page i of nd, being evicted, can serve a later request: an anchor protects it or
