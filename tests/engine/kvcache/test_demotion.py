@@ -28,14 +28,15 @@ class Rig:
     def serve(self, ids: list[int], prompt_len: int, chunk: int = 8, anchors: tuple[int, ...] = ()) -> Req:
         """Admit, prefill in chunks (inserting each), decode the rest, finish."""
         self.n += 1
-        r = Req(rid=f"r{self.n}", request_id=f"r{self.n}", index=0, token_ids=list(ids), prompt_len=prompt_len,
-                params=SamplingParams(), anchors=anchors)
+        r = Req(rid=f"r{self.n}", request_id=f"r{self.n}", index=0, token_ids=list(ids),
+                prompt_len=prompt_len, params=SamplingParams(), anchors=anchors)
         self.kv.admit(r)
         r.cached_tokens = r.num_computed
         for j in range(r.num_computed // P):  # reused KV is what its prefix says
             assert self.kv_of["full"][r.full_pages[j]] == tuple(ids[:(j + 1) * P])
         while r.num_computed < len(ids):
-            end = min(prompt_len, r.num_computed + chunk) if r.num_computed < prompt_len else r.num_computed + 1
+            prefill = r.num_computed < prompt_len
+            end = min(prompt_len, r.num_computed + chunk) if prefill else r.num_computed + 1
             assert self.kv.grow(r, end)
             for j in range(r.num_computed // P, -(-end // P)):
                 self.kv_of["full"][r.full_pages[j]] = self.kv_of["swa"][r.swa_pages[j]] = \

@@ -139,14 +139,15 @@ class TierMachine(RuleBasedStateMachine):
     def _start(self, data) -> Req | None:
         P = self.P
         base = data.draw(st.sampled_from(self.stems + self.finished))
-        ids = base[:data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, 3), max_size=3 * P))
+        cut = data.draw(st.integers(0, len(base)))
+        ids = base[:cut] + data.draw(st.lists(st.integers(0, 3), max_size=3 * P))
         if len(ids) < 2:
             return None
         prompt_len = data.draw(st.integers(1, len(ids)))
         anchors = tuple(sorted(set(data.draw(st.lists(st.integers(1, len(ids) - 1), max_size=2)))))
         self.n += 1
-        r = Req(rid=f"r{self.n}", request_id=f"r{self.n}", index=0, token_ids=list(ids), prompt_len=prompt_len,
-                params=SamplingParams(), anchors=anchors)
+        r = Req(rid=f"r{self.n}", request_id=f"r{self.n}", index=0, token_ids=list(ids),
+                prompt_len=prompt_len, params=SamplingParams(), anchors=anchors)
         ref = self.reference_reuse(ids, with_tier=True)
         tree_ref = self.reference_reuse(ids, with_tier=False)
         tree = dump(self.cache)
@@ -161,7 +162,8 @@ class TierMachine(RuleBasedStateMachine):
         k = reused // P
         assert reused <= ref * P, f"reused {reused} beyond what the tree and the tier hold ({ref * P})"
         for j in range(k):
-            assert self.kv_of["full"].get(r.full_pages[j]) == self.prefix(ids, j), f"reused full page {j} wrong"
+            assert self.kv_of["full"].get(r.full_pages[j]) == self.prefix(ids, j), \
+                f"reused full page {j} wrong"
         lo = max(0, reused - self.W) // P
         assert all(s is None for s in r.swa_pages[:lo])
         for j in range(lo, k):
@@ -264,8 +266,8 @@ def test_random_interleavings_with_a_tier(P: int) -> None:
 def test_the_machine_promotes() -> None:
     """The machine exercises promotion: a fixed run whose second request is served from the tier."""
     m = TierMachine()
-    m.setup(wmul=(2, -1), budget_pages=1, policy="lazy", arena=False, full_pages=20, swa_pages=10, tier_blocks=40,
-            stems=[[1, 2, 0, 1, 2, 2, 1, 0, 0, 1]])
+    m.setup(wmul=(2, -1), budget_pages=1, policy="lazy", arena=False, full_pages=20, swa_pages=10,
+            tier_blocks=40, stems=[[1, 2, 0, 1, 2, 2, 1, 0, 0, 1]])
 
     class Data:
         def __init__(self, values: list[Any]):
