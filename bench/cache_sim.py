@@ -11,9 +11,11 @@ Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
 and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
 same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
-pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policy `lazy+tier` is lazy
-with a second tier (engine/kvcache/tier.py) that holds every page of the trace: evicted pages are written
-to it and promoted back at admission (its records are the fake model's KV, so --check covers them).
+pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policies `X+tier` (lazy+tier,
+eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier.py) large enough for every
+page of the trace: the pages a later request can use (engine/kvcache/demotion.py) are written to it when
+evicted or trimmed and promoted back at admission (its records are the fake model's KV, so --check covers
+them); the JSON rows then count the pages written per kind.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCach
 from swaserve.engine.kvcache.tier import DictTierIO, KVTier
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
-POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier")
+POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier", "eager-16+tier",
+            "eager-512+tier")
 TIER = "lazy+tier"  # lazy with a second tier (engine/kvcache/tier.py) that holds every page of the trace
+TIER_SUFFIX = "+tier"  # any policy with a second tier
 KEEP_EVERYTHING = "keep-everything"
 WINDOWS = ("4", "8", "16", "roomy")
 ROOMY = "roomy"
@@ -50,7 +54,7 @@ class Geometry:
     concurrency: int = 1  # requests in flight (the issue measures one at a time)
     arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
     full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
-    tier_blocks: int | None = None  # lazy+tier: the tier's blocks (None: enough for the whole trace)
+    tier_blocks: int | None = None  # X+tier: the tier's blocks (None: enough for the whole trace)
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Row:
     seconds: float = 0.0
     per_request: list[int] = field(default_factory=list, repr=False)
     memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
-    tier: dict[str, Any] | None = None  # lazy+tier: the tier's counters at the end
+    tier: dict[str, Any] | None = None  # X+tier: the tier's counters at the end
 
     @property
     def ratio(self) -> float:
@@ -82,7 +86,11 @@ class Row:
                 "preemptions": self.preemptions, "seconds": round(self.seconds, 2),
                 **({"tier_promotions": self.tier["promotions"],
                     "tier_promoted_tokens": self.tier["promoted_tokens"],
-                    "tier_pages_written": self.tier["pages_written_full"] + self.tier["pages_written_swa"]}
+                    "tier_pages_written": self.tier["pages_written_full"] + self.tier["pages_written_swa"],
+                    "tier_pages_written_full": self.tier["pages_written_full"],
+                    "tier_pages_written_swa": self.tier["pages_written_swa"],
+                    "tier_pages_read_full": self.tier["pages_read_full"],
+                    "tier_pages_read_swa": self.tier["pages_read_swa"]}
                    if self.tier else {})}
 
 
@@ -171,7 +179,7 @@ def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry)
 
 def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
           tier: KVTier | None = None) -> tuple[Scheduler, SWARadixCache]:
-    """The engine's scheduler and KV manager over a radix cache configured for `policy` (lazy+tier: with
+    """The engine's scheduler and KV manager over a radix cache configured for `policy` (X+tier: X with
     `tier` as its second tier)."""
     fa: PagePool
     sa: PagePool
@@ -180,16 +188,17 @@ def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
         fa, sa = arena.full, arena.swa
     else:
         fa, sa = PageAllocator(full_pages), PageAllocator(swa_pages)
+    base = policy.removesuffix(TIER_SUFFIX)
     kw: dict[str, Any] = {"policy": "lazy", "swa_retain_tokens": 512}
-    if policy == "lazy-no-anchors":
+    if base == "lazy-no-anchors":
         kw["anchors"] = False
-    elif policy.startswith("eager-"):
-        kw = {"policy": "eager", "swa_retain_tokens": int(policy.removeprefix("eager-"))}
-    elif policy not in ("lazy", KEEP_EVERYTHING, TIER):
+    elif base.startswith("eager-") and base.removeprefix("eager-").isdigit():
+        kw = {"policy": "eager", "swa_retain_tokens": int(base.removeprefix("eager-"))}
+    elif base not in ("lazy", KEEP_EVERYTHING):
         raise ValueError(f"unknown policy {policy!r}")
     cache = SWARadixCache(geo.page_size, geo.window, fa, sa, **kw)
-    if policy == TIER:
-        assert tier is not None, "lazy+tier needs a tier"
+    if policy.endswith(TIER_SUFFIX):
+        assert tier is not None, f"{policy} needs a tier"
         cache.set_tier(tier)
     kv = KVManager(cache, fa, sa, geo.page_size, geo.window)
     cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk)
@@ -203,12 +212,12 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     full_pages, swa_pages = pool_pages(trace, ROOMY if policy == KEEP_EVERYTHING else windows, geo)
     model = AnswerModel(geo.page_size, geo.window, check=check)
     tier = None
-    if policy == TIER:  # blocks of one SWA page or full_per_block full pages, enough for the whole trace
+    if policy.endswith(TIER_SUFFIX):  # blocks: one SWA page or full_per_block full pages; room for the trace
         roomy_full, roomy_swa = pool_pages(trace, ROOMY, geo)
         blocks = geo.tier_blocks or roomy_swa + -(-roomy_full // geo.full_per_block)
         tier = KVTier(SimTierIO(model, geo.full_per_block), blocks, geo.full_per_block, name="sim")
     sched, cache = build(policy, full_pages, swa_pages, geo, tier)
-    pass_anchors = policy != "lazy-no-anchors"
+    pass_anchors = not policy.startswith("lazy-no-anchors")
     pending = deque(enumerate(trace))
     done: list[Req] = []
     in_flight: list[Req] = []

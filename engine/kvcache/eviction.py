@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 
 from swaserve.engine.kvcache.allocator import PagePool
+from swaserve.engine.kvcache.demotion import DemotionMixin
 from swaserve.engine.kvcache.node import Anchor, Node, page_key, path_ranges
-from swaserve.engine.kvcache.tier import KVTier
 
 MAX_LOST_KEYS = 8  # remembered evicted continuations per node end
 
@@ -32,7 +32,7 @@ def _remember_lost(node: Node, key: tuple[int, ...]) -> None:
     node.lost_keys.add(key)
 
 
-class EvictionMixin:
+class EvictionMixin(DemotionMixin):
     # provided by SWARadixCache
     page_size: int
     window: int
@@ -45,7 +45,6 @@ class EvictionMixin:
     evicted_full_pages: int
     evicted_swa_pages: int
     trimmed_swa_pages: int
-    tier: KVTier | None
 
     def window_start(self, k: int) -> int:
         raise NotImplementedError
@@ -71,7 +70,7 @@ class EvictionMixin:
             swa, locks, prot = nd.swa_pages, nd.swa_locks, nd.protect_counts
             for i, s in enumerate(swa):
                 if s is not None and not locks[i] and not prot[i]:
-                    self._demote_swa(nd, i, s)
+                    self._demote_swa(nd, i, s, False)
                     freed.append(s)
                     swa[i] = None
                     nd.live_swa -= 1
@@ -88,7 +87,7 @@ class EvictionMixin:
                 if an.lo < an.core_lo:
                     self._add_protection(nd, an.lo, an.core_lo, -1)
                     lo, an.lo = an.lo, an.core_lo
-                    self._free_unprotected(nd, lo, an.core_lo, freed, num_pages)
+                    self._free_unprotected(nd, lo, an.core_lo, freed, num_pages)  # slack: written
             # 3: windows a deeper anchor on the same unbranched path makes redundant, 4: the others
             for nd, hi in redundant + others:
                 if len(freed) >= num_pages:
@@ -103,44 +102,31 @@ class EvictionMixin:
     def _free_unprotected(self, node: Node, lo: int, hi: int, freed: list[int], need: int) -> None:
         """Drop live, unlocked, unprotected SWA pages of [lo, hi) on node's root path into freed, front
         pages first, until freed holds `need` pages: what a dropped anchor protected and is not needed
-        now stays as unprotected cache (tier 1)."""
+        now stays as unprotected cache (tier 1). The range was an anchor's: its pages go to the tier."""
         for x, a, b in reversed(list(path_ranges(node, lo, hi))):
             swa, locks, prot = x.swa_pages, x.swa_locks, x.protect_counts
             for i in range(a, b):
                 s = swa[i]
                 if s is not None and not locks[i] and not prot[i]:
-                    self._demote_swa(x, i, s)
+                    self._demote_swa(x, i, s, True)
                     freed.append(s)
                     swa[i] = None
                     x.live_swa -= 1
                     if len(freed) >= need:
                         return
 
-    def _demote_swa(self, node: Node, i: int, page: int) -> None:
-        """Write an evicted SWA page to the second tier (before its id is freed)."""
-        if self.tier is not None:
-            self.tier.save("swa", node.keys[i], page)
-
-    def _demote(self, node: Node, a: int) -> None:
-        """Write the pages [a, ...) of node (being dropped) to the second tier."""
-        if self.tier is None:
-            return
-        for i in range(a, len(node.full_pages)):
-            self.tier.save("full", node.keys[i], node.full_pages[i])
-            s = node.swa_pages[i]
-            if s is not None:
-                self.tier.save("swa", node.keys[i], s)
-
     def _trim_head(self, path: list[Node], keep_from: int) -> None:
-        """Eager policy: free the unlocked SWA pages of pages [0, keep_from) of this path."""
+        """Eager policy: free the unlocked SWA pages of pages [0, keep_from) of this path (those a resume
+        point needs are written to the tier first)."""
         freed: list[int] = []
         for nd in path:
             if nd.start_page >= keep_from:
                 break
-            swa, locks = nd.swa_pages, nd.swa_locks
+            swa, locks, prot = nd.swa_pages, nd.swa_locks, nd.protect_counts
             for i in range(min(len(swa), keep_from - nd.start_page)):
                 s = swa[i]
                 if s is not None and not locks[i]:
+                    self._demote_swa(nd, i, s, prot[i] > 0)
                     freed.append(s)
                     swa[i] = None
                     nd.live_swa -= 1
@@ -225,10 +211,12 @@ class EvictionMixin:
     def _truncate(self, nd: Node, m: int) -> None:
         """Drop all pages of the unlocked leaf nd after its first m."""
         assert not nd.full_locks and not nd.children and 0 < m < len(nd.full_pages)
+        protected = self._demote_mask(nd, m)
         self._drop_anchors_after(nd, nd.start_page + m)
         _remember_lost(nd, page_key(nd.tokens, m, self.page_size))
-        self._demote(nd, m)
+        self._demote(nd, m, protected)
         nd.keys = nd.keys[:m]
+        nd.anchored = nd.anchored[:m]
         dropped_full = nd.full_pages[m:]
         dropped_swa = [s for s in nd.swa_pages[m:] if s is not None]
         nd.tokens = nd.tokens[:m * self.page_size]
@@ -242,13 +230,14 @@ class EvictionMixin:
     def _remove(self, nd: Node) -> None:
         """Remove the unlocked leaf nd and free its pages."""
         assert not nd.full_locks and not nd.children and nd.parent is not None
+        protected = self._demote_mask(nd, 0)
         self._drop_anchors_after(nd, nd.start_page)
         key = page_key(nd.tokens, 0, self.page_size)
         del nd.parent.children[key]
         _remember_lost(nd.parent, key)
         self._nodes.discard(nd)
         nd.evicted = True
-        self._demote(nd, 0)
+        self._demote(nd, 0, protected)
         self._free_pages(nd.full_pages, [s for s in nd.swa_pages if s is not None])
 
     def _free_pages(self, full: list[int], swa: list[int]) -> None:

@@ -28,8 +28,8 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
             n = len(ch.full_pages)
             assert ch.parent is nd and not ch.evicted, f"{ch}: bad parent link"
             assert n >= 1 and len(ch.tokens) == n * P, f"{ch}: edge not page-aligned"
-            assert len(ch.swa_pages) == len(ch.swa_locks) == len(ch.protect_counts) == n, \
-                f"{ch}: per-page arrays differ"
+            sizes = (len(ch.swa_pages), len(ch.swa_locks), len(ch.protect_counts), len(ch.anchored))
+            assert sizes == (n, n, n, n), f"{ch}: per-page arrays differ"
             assert key == page_key(ch.tokens, 0, P), f"{ch}: keyed by the wrong page"
             if cache.tier is not None:
                 prev = nd.keys[-1] if nd.keys else ROOT_KEY
@@ -74,6 +74,7 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
         assert nd.swa_locks == exp_lock[id(nd)], f"{nd}: SWA lock counts {nd.swa_locks} != {exp_lock[id(nd)]}"
         assert nd.protect_counts == exp_prot[id(nd)], \
             f"{nd}: protection counts {nd.protect_counts} != {exp_prot[id(nd)]}"
+        assert all(a for a, q in zip(nd.anchored, nd.protect_counts) if q), f"{nd}: protected page not marked"
         if nd.full_locks:
             locked_full += len(nd.full_pages)
         locked_swa += sum(1 for s, c in zip(nd.swa_pages, nd.swa_locks) if s is not None and c)

@@ -38,7 +38,7 @@ class Node(CacheHandle):
 
     __slots__ = ("parent", "children", "tokens", "full_pages", "swa_pages", "swa_locks", "protect_counts",
                  "anchors", "start_page", "last_access", "full_locks", "handle_locks", "live_swa", "evicted",
-                 "lost_keys", "keys")
+                 "lost_keys", "keys", "anchored")
 
     def __init__(self, parent: Node | None, start_page: int, tokens: list[int], full_pages: list[int],
                  swa_pages: list[int | None], last_access: int):
@@ -63,6 +63,9 @@ class Node(CacheHandle):
         self.lost_keys: set[tuple[int, ...]] = set()
         # [n] the pages' radix-path keys (engine/kvcache/tier.py's hash chain) when the cache has a tier
         self.keys: list[bytes] = []
+        # [n] 1 where an anchor has ever protected the page (a window a request can resume at; with a tier,
+        # such a page is written when evicted even after its anchor is gone; demotion.py)
+        self.anchored = bytearray(n)
 
     @property
     def end_page(self) -> int:

@@ -48,6 +48,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         self._clock = 0
         self.match_calls = self.query_tokens = self.hit_tokens = 0
         self.evicted_full_pages = self.evicted_swa_pages = self.trimmed_swa_pages = 0
+        self.tier_saved_swa_pages = self.tier_skipped_swa_pages = 0  # evicted SWA pages (demotion.py)
         # the second tier evicted pages are written to (set_tier); nodes then carry their pages' keys
         self.tier: KVTier | None = None
         self._init_tree()
@@ -66,7 +67,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         return True
 
     def set_tier(self, tier: KVTier | None) -> None:
-        """Write every page evicted from now on to `tier` (only on an empty cache: nodes need their keys)."""
+        """Write the pages evicted from now on that a later request can use to `tier` (demotion.py; only on
+        an empty cache: nodes need their keys)."""
         if self._nodes:
             raise RuntimeError("set_tier on a cache that holds pages")
         self.tier = tier
@@ -197,6 +199,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         up.protect_counts = node.protect_counts[:m]
         up.full_locks = node.full_locks
         up.keys, node.keys = node.keys[:m], node.keys[m:]
+        up.anchored, node.anchored = node.anchored[:m], node.anchored[m:]
         node.tokens = node.tokens[m * P:]
         node.full_pages = node.full_pages[m:]
         node.swa_pages = node.swa_pages[m:]
@@ -373,6 +376,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
             "match_calls": self.match_calls, "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens,
             "evicted_full_pages": self.evicted_full_pages, "evicted_swa_pages": self.evicted_swa_pages,
             "trimmed_swa_pages": self.trimmed_swa_pages,
+            **({"tier_saved_swa_pages": self.tier_saved_swa_pages,
+                "tier_skipped_swa_pages": self.tier_skipped_swa_pages} if self.tier is not None else {}),
         }
 
     def check_integrity(self, used_full: int | None = None, used_swa: int | None = None) -> None:

@@ -57,6 +57,8 @@ class RetentionMixin:
     def _add_protection(self, node: Node, lo: int, hi: int, d: int) -> None:
         for nd, a, b in path_ranges(node, lo, hi):
             nd.protect_counts[a:b] = [q + d for q in nd.protect_counts[a:b]]
+            if d > 0:
+                nd.anchored[a:b] = b"\x01" * (b - a)
 
     def _add_anchor(self, node: Node, hi: int, a: int, ids: Sequence[int], branch: bool = False) -> None:
         """Anchor at token offset a on node (start_page < hi <= end_page): protect pages [lo, hi).

@@ -2,9 +2,9 @@
 
 Pages are keyed by the radix path: page i of a sequence has the key
 blake2b(key of page i - 1, token ids of page i), a hash chain, so the key of a page names its whole
-token prefix and a lookup by prefix walks the chain. The radix cache writes every full and SWA page
-it evicts here (`save`); KVManager.admit promotes what a prompt can reuse back into fresh pool pages
-(`load`) instead of recomputing it.
+token prefix and a lookup by prefix walks the chain. The radix cache writes the evicted pages a later
+request can use here (`save`; which ones: engine/kvcache/demotion.py); KVManager.admit promotes what a
+prompt can reuse back into fresh pool pages (`load`) instead of recomputing it.
 
 The slot space has the arena's shape (engine/kvcache/arena.py): blocks of equal bytes, each holding one
 SWA page or `full_per_block` full pages, so one byte budget serves both kinds. The bytes live behind
