@@ -68,7 +68,7 @@ async def chat_completions(body: Annotated[ChatCompletionRequest, Depends(json_b
 
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request, rid: str,
                 tracker: RequestTracker) -> Response:
-    check_fields(req, state.cfg.strict_requests, rid)
+    await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if not req.messages:

@@ -67,7 +67,7 @@ async def responses(body: Annotated[ResponsesRequest, Depends(json_body(Response
 
 async def _respond(state: ServerState, req: ResponsesRequest, request: Request, rid: str,
                    tracker: RequestTracker) -> Response:
-    check_fields(req, state.cfg.strict_requests, rid)
+    await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if req.n != 1:
