@@ -94,8 +94,8 @@ class ServerState:
             engine = self.loader()
             engine.log_requests = False
             engine.start()
+            freeze_startup_heap()  # before /health turns 200: its full collection holds the GIL 100+ ms
             self.engine = engine
-            freeze_startup_heap()
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
             logger.info("sampling defaults for requests that set none: %s",
