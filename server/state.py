@@ -95,6 +95,9 @@ class ServerState:
             engine.log_requests = False
             engine.start()
             freeze_startup_heap()  # before /health turns 200: its full collection holds the GIL 100+ ms
+            from swaserve.server.offload import start_processes
+
+            start_processes()  # chat rendering's worker processes, before the first request needs them
             self.engine = engine
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
