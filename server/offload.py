@@ -109,6 +109,19 @@ def start_processes() -> None:
         pool.submit(_ready)
 
 
+def stop_processes() -> None:
+    """End the worker processes now (server shutdown): a render in progress is cut, not awaited."""
+    global _procs
+    with _procs_lock:
+        pool, _procs = _procs, None
+    if pool is None:
+        return
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
+
+
 def _validate(model: type[M], raw: bytes) -> M:
     if len(raw) >= SLICED_BODY_BYTES:
         sliced = validate_sliced(model, raw)

@@ -123,8 +123,12 @@ class ServerState:
         return self.engine is not None
 
     def shutdown(self) -> None:
-        if self.owns_engine and self.engine is not None:
-            self.engine.shutdown()
+        if self.owns_engine:  # `swaserve serve`: this process ends with its app
+            from swaserve.server.offload import stop_processes
+
+            stop_processes()
+            if self.engine is not None:
+                self.engine.shutdown()
 
     # --- accessors -----------------------------------------------------------------------------
     def ready_engine(self) -> ServedEngine:
