@@ -97,13 +97,17 @@ with httpx.Client(base_url=sys.argv[1], timeout=30) as h:
         t0 = time.perf_counter()
         status = h.get("/health").status_code
         out.append((t0, time.perf_counter() - t0, status))
+        if len(out) == 1:
+            print("polling", flush=True)
 print(json.dumps(out))
 """
 
 
 def _start_poller(url: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", POLLER, url], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", POLLER, url], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "polling\n"  # its first answer came
+    return proc
 
 
 def _stop_poller(proc: subprocess.Popen) -> list[tuple[float, float, int]]:
@@ -141,7 +145,6 @@ def _window(url: str, load: list[threading.Thread] | None, idle_s: float = 1.0) 
     stream.start()
     assert started.wait(60)
     poller = _start_poller(url)
-    time.sleep(1.0)  # the poller is up and answered
     t0 = time.perf_counter()
     if load:
         for t in load:
