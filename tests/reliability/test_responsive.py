@@ -86,17 +86,28 @@ def _stream(url: str, stop: threading.Event, out: list[tuple[float, float]],
                 break
 
 
-# the /health poller: a process of its own, so that nothing of this test (its threads, its collector)
-# delays an answer's measurement; a line on stdin stops it, its answers come back as JSON on stdout
+# The /health poller: a process of its own, so that nothing of this test (its threads, its collector)
+# delays an answer's measurement. Each answer also records how long the poller itself waited for a CPU
+# meanwhile (its run-queue delay, /proc/self/schedstat): on the 2-core CI machine, shared with other
+# jobs, that alone reached 100-500 ms for single answers while the server's event loop was idle, and it
+# is the client's delay, not the server's. A line on stdin stops the poller; its answers come back as
+# JSON on stdout.
 POLLER = """
-import json, select, sys, time
+import json, os, select, sys, time
 import httpx
+def waited():
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):  # not Linux: no correction
+        return 0.0
 out = []
 with httpx.Client(base_url=sys.argv[1], timeout=30) as h:
     while not select.select([sys.stdin], [], [], 0.02)[0]:
-        t0 = time.perf_counter()
+        w0, t0 = waited(), time.perf_counter()
         status = h.get("/health").status_code
-        out.append((t0, time.perf_counter() - t0, status))
+        t1 = time.perf_counter()
+        out.append((t0, t1 - t0, waited() - w0, status))
         if len(out) == 1:
             print("polling", flush=True)
 print(json.dumps(out))
@@ -110,7 +121,7 @@ def _start_poller(url: str) -> subprocess.Popen:
     return proc
 
 
-def _stop_poller(proc: subprocess.Popen) -> list[tuple[float, float, int]]:
+def _stop_poller(proc: subprocess.Popen) -> list[tuple[float, float, float, int]]:
     out, _ = proc.communicate("stop\n", timeout=60)
     assert proc.returncode == 0, out
     return [tuple(x) for x in json.loads(out)]
@@ -138,7 +149,8 @@ def _post(url: str, raw: bytes, key: str, results: dict) -> None:
 
 
 def _window(url: str, load: list[threading.Thread] | None, idle_s: float = 1.0) -> tuple[list, list]:
-    """(/health answer times, token gaps) while `load` runs (or for idle_s with no load)."""
+    """(/health answers as (seconds, of which the poller waited for a CPU), token gaps) while `load`
+    runs (or for idle_s with no load)."""
     gaps: list[tuple[float, float]] = []
     stop_stream, started = threading.Event(), threading.Event()
     stream = threading.Thread(target=_stream, args=(url, stop_stream, gaps, started))
@@ -157,8 +169,8 @@ def _window(url: str, load: list[threading.Thread] | None, idle_s: float = 1.0) 
     health = _stop_poller(poller)
     stop_stream.set()
     stream.join(60)
-    assert all(status == 200 for _, _, status in health), health
-    return ([d for t, d, _ in health if t0 <= t <= t1], [d for t, d in gaps if t0 <= t <= t1])
+    assert all(status == 200 for *_, status in health), health
+    return ([(d, w) for t, d, w, _ in health if t0 <= t <= t1], [d for t, d in gaps if t0 <= t <= t1])
 
 
 def test_loop_stays_responsive_under_hostile_requests(server_url: str) -> None:
@@ -182,6 +194,7 @@ def test_loop_stays_responsive_under_hostile_requests(server_url: str) -> None:
             threading.Thread(target=_post, args=(url, loop, "loop", results)),
             threading.Thread(target=_post, args=(url, many, "many", results))]
     health, gaps = _window(url, load)
+    after_health, after_gaps = _window(url, None)
 
     assert results["big"] in (413, "RemoteProtocolError", "WriteError", "ReadError"), results["big"]
     status, body = results["loop"]
@@ -189,10 +202,15 @@ def test_loop_stays_responsive_under_hostile_requests(server_url: str) -> None:
     assert "longer than" in body["error"]["message"]
     status, body = results["many"]
     assert status in (200, 400), body  # 20,000 short messages may exceed the context: a 400, not a hang
-    idle_gap, gap = statistics.fmean(idle_gaps), statistics.fmean(gaps)
-    print(f"health ms: idle max {1e3 * max(idle_health):.1f}, loaded median "
-          f"{1e3 * statistics.median(health):.1f} max {1e3 * max(health):.1f} (n {len(health)}); "
-          f"gap ms: idle mean {1e3 * idle_gap:.2f}, loaded mean {1e3 * gap:.2f} (n {len(gaps)})")
-    assert len(health) >= 20 and len(gaps) >= 100, (len(health), len(gaps))
-    assert max(health) <= HEALTH_LIMIT_S, sorted(health)[-5:]
+    # the machine's other jobs vary over seconds: the slower idle window (before / after) is the baseline
+    idle_gap, gap = max(statistics.fmean(idle_gaps), statistics.fmean(after_gaps)), statistics.fmean(gaps)
+    raw = [d for d, _ in health]
+    served = [d - w for d, w in health]  # what the server took: the poller's own CPU wait taken out
+    print(f"health ms: idle max {1e3 * max(d - w for d, w in idle_health + after_health):.1f}, loaded median "
+          f"{1e3 * statistics.median(served):.1f} max {1e3 * max(served):.1f} (n {len(served)}; as the "
+          f"poller saw them, its CPU waits included: max {1e3 * max(raw):.1f}); gap ms: idle mean "
+          f"{1e3 * idle_gap:.2f}, loaded mean {1e3 * gap:.2f} (n {len(gaps)})")
+    assert len(served) >= 20 and len(gaps) >= 100, (len(served), len(gaps))
+    assert max(served) <= HEALTH_LIMIT_S, sorted(health)[-5:]
+    assert max(raw) < 1.0, sorted(health)[-5:]
     assert gap <= 2 * idle_gap, (gap, idle_gap)
