@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import pickle
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from swaserve.engine import template_sandbox
-from swaserve.engine.chat_template import ChatTemplate
+from swaserve.engine.chat_template import ChatPrompt, ChatTemplate
 from swaserve.engine.core import GrammarSpec
 from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError
@@ -93,6 +94,11 @@ def _plan_entry(key: int, setup: bytes | None, render_limit_s: float, req: ChatC
     return NEED_SETUP if template is None else plan_with(template, req)
 
 
+def _render_entry(key: int, setup: bytes | None, render_limit_s: float, args: tuple) -> Any:
+    template = _worker_template(key, setup, render_limit_s)
+    return NEED_SETUP if template is None else chat_prompt.render(template, *args)
+
+
 def _prepare_entry(key: int | None, setup: bytes | None, render_limit_s: float, raw: bytes) -> Any:
     """A large body: ("invalid", errors) | ("ok", request with messages[-1:], fields, plan, plan error)."""
     template = None
@@ -111,6 +117,8 @@ def _prepare_entry(key: int | None, setup: bytes | None, render_limit_s: float, 
             plan = plan_with(template, req)
         except APIError as e:
             error = e
+        except Exception:  # noqa: BLE001  (raised where the route plans: a 500 there, as before)
+            error = RuntimeError(f"planning failed in a worker process:\n{traceback.format_exc()}")
     return ("ok", req.model_copy(update={"messages": req.messages[-1:]}), fields, plan, error)
 
 
@@ -152,6 +160,13 @@ async def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     return await _call(_plan_entry, template, req)
 
 
+async def render(template: ChatTemplate, *args: Any) -> ChatPrompt:
+    """chat_prompt.render(template, *args) in a worker process (/tokenize)."""
+    if await _setup(template) is None:
+        return await run_cpu(chat_prompt.render, template, *args)
+    return await _call(_render_entry, template, args)
+
+
 @dataclass
 class ChatBody:
     """A chat request body; a large one comes back from the worker process already walked and planned,
@@ -161,7 +176,7 @@ class ChatBody:
     cut: bool = False
     fields: tuple[list[str], list[str]] | None = None  # scan_fields, when done in the worker
     plan: ChatPlan | None = None
-    plan_error: APIError | None = None
+    plan_error: Exception | None = None  # APIError, or RuntimeError for an unexpected failure
 
     async def planned(self, state: ServerState) -> ChatPlan:
         """The plan (raising its error here, where the route plans), made now for an uncut body."""
