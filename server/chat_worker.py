@@ -28,7 +28,17 @@ from swaserve.engine.core import GrammarSpec
 from swaserve.server import chat_prompt
 from swaserve.server.errors import APIError
 from swaserve.server.leniency import scan_fields
-from swaserve.server.offload import _validate, invalid_body, read_body, run_cpu, run_proc, validate_off_loop
+from swaserve.server.offload import (
+    PROCESS_WORKERS,
+    _validate,
+    invalid_body,
+    read_body,
+    run_cpu,
+    run_proc,
+    start_processes,
+    submit_proc,
+    validate_off_loop,
+)
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError
 from swaserve.server.state import ServerState
@@ -126,19 +136,35 @@ def _prepare_entry(key: int | None, setup: bytes | None, render_limit_s: float, 
 _keys = itertools.count(1)
 
 
-async def _setup(template: ChatTemplate) -> tuple[int, bytes] | None:
-    """(key, pickled source + name + tokenizer) of `template`; None when it cannot go to a process (a
-    test double): it is then rendered on a worker thread."""
+def setup_of(template: ChatTemplate) -> tuple[int, bytes] | None:
+    """(key, pickled source + name + tokenizer) of `template`, made once; None when it cannot go to a
+    process (a test double): it is then rendered on a worker thread. 26b-a4b's: 51 MB, 0.4 s of
+    pickling with the GIL held, so `swaserve serve` makes it while loading (start_workers)."""
     cached = getattr(template, "_worker_setup", None)
     if cached is None:
-        def dump() -> bytes:
-            try:
-                return pickle.dumps((template.source, template.name, template.tokenizer))
-            except Exception:  # noqa: BLE001  (anything unpicklable)
-                return b""
-        cached = (next(_keys), await run_cpu(dump))  # a 262k-entry vocabulary: not on the loop
+        try:
+            blob = pickle.dumps((template.source, template.name, template.tokenizer))
+        except Exception:  # noqa: BLE001  (anything unpicklable)
+            blob = b""
+        cached = (next(_keys), blob)
         template._worker_setup = cached  # type: ignore[attr-defined]
     return cached if cached[1] else None
+
+
+async def _setup(template: ChatTemplate) -> tuple[int, bytes] | None:
+    if hasattr(template, "_worker_setup"):
+        return setup_of(template)
+    return await run_cpu(setup_of, template)
+
+
+def start_workers(template: ChatTemplate | None) -> None:
+    """At server start (the loading thread, before /health turns 200): start the worker processes and
+    give each the template, so that no request waits for either."""
+    start_processes()
+    setup = setup_of(template) if template is not None else None
+    if setup is not None:
+        for _ in range(PROCESS_WORKERS):  # most likely one each: each is busy a while unpickling
+            submit_proc(_worker_template, setup[0], setup[1], template_sandbox.RENDER_TIME_LIMIT_S)
 
 
 async def _call(entry: Any, template: ChatTemplate | None, arg: Any) -> Any:

@@ -102,11 +102,15 @@ def _ready() -> bool:
     return True
 
 
+def submit_proc(fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args) in a worker process, not waited for (warming up)."""
+    _process_pool().submit(fn, *args)
+
+
 def start_processes() -> None:
     """Start the worker processes now (at server start) rather than on the first chat request."""
-    pool = _process_pool()
     for _ in range(PROCESS_WORKERS):
-        pool.submit(_ready)
+        submit_proc(_ready)
 
 
 def stop_processes() -> None:

@@ -95,9 +95,13 @@ class ServerState:
             engine.log_requests = False
             engine.start()
             freeze_startup_heap()  # before /health turns 200: its full collection holds the GIL 100+ ms
-            from swaserve.server.offload import start_processes
+            try:
+                template = self._template_of(engine)
+            except APIError:  # no chat template: the chat routes answer 400
+                template = None
+            from swaserve.server.chat_worker import start_workers
 
-            start_processes()  # chat rendering's worker processes, before the first request needs them
+            start_workers(template)  # chat rendering's worker processes, before the first request needs them
             self.engine = engine
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
@@ -154,7 +158,9 @@ class ServerState:
 
     def chat_template(self) -> ChatTemplate:
         """--chat-template, else the GGUF's; 400 when there is neither."""
-        engine = self.ready_engine()
+        return self._template_of(self.ready_engine())
+
+    def _template_of(self, engine: ServedEngine) -> ChatTemplate:
         if self.cfg.chat_template is not None:
             if self._template is None:
                 from swaserve.engine.chat_template import ChatTemplate
