@@ -17,7 +17,7 @@ import itertools
 import pickle
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -41,8 +41,10 @@ from swaserve.server.offload import (
 )
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError
-from swaserve.server.state import ServerState
 from swaserve.server.structured import grammar_for, json_format
+
+if TYPE_CHECKING:
+    from swaserve.server.state import ServerState
 
 LARGE_BODY_BYTES = SLICED_BODY_BYTES  # from here on a chat body is parsed in the worker process
 NEED_SETUP = "need-setup"

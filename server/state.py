@@ -69,6 +69,7 @@ class ServerState:
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
+        self.on_loaded: Callable[[ChatTemplate | None], None] | None = None  # before /health turns 200
         self.metrics = Metrics(self.stats, lambda: self.model_name)
         self.created = int(time.time())
         self._template: ChatTemplate | None = None
@@ -95,13 +96,12 @@ class ServerState:
             engine.log_requests = False
             engine.start()
             freeze_startup_heap()  # before /health turns 200: its full collection holds the GIL 100+ ms
-            try:
-                template = self._template_of(engine)
-            except APIError:  # no chat template: the chat routes answer 400
-                template = None
-            from swaserve.server.chat_worker import start_workers
-
-            start_workers(template)  # chat rendering's worker processes, before the first request needs them
+            if self.on_loaded is not None:  # `swaserve serve`: starts the chat worker processes
+                try:
+                    template = self._template_of(engine)
+                except APIError:  # no chat template: the chat routes answer 400
+                    template = None
+                self.on_loaded(template)
             self.engine = engine
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
