@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -65,8 +66,16 @@ async def run_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 PROCESS_NICE = 5  # below the HTTP loop and the engine: a heavy render takes the CPU they leave
 
 
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:  # the server was killed (SIGKILL): this worker would wait for ever
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def _init_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group
+    # not PR_SET_PDEATHSIG: it fires when the spawning *thread* ends (here the model-loading thread)
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="swaserve-parent", daemon=True).start()
     try:
         os.nice(PROCESS_NICE)
     except OSError:  # not permitted here: same priority as the server
