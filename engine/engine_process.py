@@ -293,7 +293,9 @@ class EngineClient:
     def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """The engine's own checks, here so that a bad request fails before anything is sent."""
         params.validate(self.tokenizer.vocab_size)
-        if any(not 0 <= int(t) < self.model_config.vocab_size for t in prompt_ids):
+        # min / max, not a Python loop: this runs on the HTTP event loop (200k ids: 2 ms, not 50+)
+        vocab = self.model_config.vocab_size
+        if prompt_ids and not (0 <= int(min(prompt_ids)) and int(max(prompt_ids)) < vocab):
             raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
         check_lengths(len(prompt_ids), params, self.context_length)
 
@@ -317,7 +319,7 @@ class EngineClient:
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._sent += 1
         self._in_transit.append((self._sent, params.n))
-        ids = [int(t) for t in prompt_ids]
+        ids = list(map(int, prompt_ids))
         self._outgoing.put(("add", self._sent, request_id, ids, params, tuple(anchors)))
         outs = read_choices(request_id, q, params.n, self._streams, self.abort)
         async with contextlib.aclosing(outs):  # closed at once when the consumer stops: aborts the rest

@@ -24,12 +24,16 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from swaserve.engine.core import GrammarSpec, RequestError
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: the server's chat worker processes (server/chat_worker.py) build
+# grammar text with json_lark and would otherwise load torch (~200 MB each) for nothing
 
 log = logging.getLogger("swaserve.engine")
 
@@ -111,6 +115,8 @@ class GrammarBackend:
             raise ValueError("a grammar needs at least one EOS token id")
         self.vocab_size = tokenizer.vocab_size
         self.words = (self.vocab_size + 31) // 32  # int32 words per bitmask row
+        import torch
+
         self.threads = threads or max(1, torch.get_num_threads())
         self._lock = threading.Lock()
         self._lltok: Any = None
@@ -201,4 +207,6 @@ class GrammarBackend:
                 log.warning("grammar error: %s; only EOS is allowed from here", m.get_error()[:300])
                 states[r].failed = True
                 out[r] = self._eos_row
+        import torch
+
         return torch.from_numpy(out)

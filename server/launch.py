@@ -263,6 +263,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.on_load_error = on_load_error
+    from swaserve.server.chat_worker import start_workers
+
+    state.on_loaded = start_workers  # chat rendering's worker processes, before the first request
     logger.info("swaserve listening on http://%s:%d (model loading in the background; /health is 503 until "
                 "ready)", args.host, args.port)
     server.run()

@@ -54,11 +54,17 @@ def _generic(path: str) -> str:
     return "".join(out)
 
 
-def check_fields(body: BaseModel, strict: bool, rid: str) -> None:
-    """Warn about (or, strict, reject) unknown fields; log each no-op field once at debug."""
+def scan_fields(body: BaseModel) -> tuple[list[str], list[str]]:
+    """(unknown field paths, documented no-op fields used): a walk over every item of the body (20,000
+    chat messages: hundreds of milliseconds), so never on the event loop."""
     extras: list[str] = []
     used: list[str] = []
     _walk(body, "", extras, used)
+    return extras, used
+
+
+def report_fields(extras: list[str], used: list[str], strict: bool, rid: str) -> None:
+    """Warn about (or, strict, reject) unknown fields; log each no-op field once at debug."""
     if extras:
         if strict:
             raise bad_request(f"Unrecognized request argument supplied: {extras[0]} (not supported by this "
@@ -68,3 +74,8 @@ def check_fields(body: BaseModel, strict: bool, rid: str) -> None:
         if name not in _logged:
             _logged.add(name)
             logger.debug("request field %r is accepted and has no effect on this server", name)
+
+
+def check_fields(body: BaseModel, strict: bool, rid: str) -> None:
+    """scan_fields + report_fields."""
+    report_fields(*scan_fields(body), strict, rid)

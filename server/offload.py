@@ -1,18 +1,30 @@
-"""CPU work of a request off the event loop: parsing and validating the request body, chat-template
-rendering, tokenization and detokenization of prompts, in a bounded pool of worker threads (a burst of
-heavy requests queues here instead of spawning a thread each, and /health and running streams keep
-answering). With the engine in its own process (the default) these threads share the GIL only with the
-HTTP loop, which the interpreter hands it every few milliseconds (sys.getswitchinterval)."""
+"""CPU work of a request off the event loop.
+
+* run_cpu: a bounded pool of worker threads for short work (parsing and validating ordinary bodies, the
+  unknown-field walk, tokenizing completions prompts). They share the GIL with the HTTP loop, which the
+  interpreter hands it every millisecond (sys.getswitchinterval).
+* run_proc: a small pool of worker processes for work that is long or that a client controls: chat
+  template rendering and tokenization (a template may loop until its render budget), and everything
+  about a large chat body (server/chat_worker.py). A busy thread in the server's process, even one that
+  yields the GIL every millisecond, makes the loop wait for the GIL after each of its system calls; on a
+  loaded machine those waits added up to 100-200 ms per /health answer. A worker process takes none of
+  the server's GIL. Workers are spawned (no fork of a threaded process), ignore Ctrl-C (the server stops
+  them) and are replaced when one dies."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -27,8 +39,11 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 WORKERS = max(2, min(8, os.cpu_count() or 2))
+PROCESS_WORKERS = 2  # concurrent renders; more requests queue here
 SWITCH_INTERVAL_S = 0.001
 _pool: ThreadPoolExecutor | None = None
+_procs: ProcessPoolExecutor | None = None
+_procs_lock = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -46,6 +61,78 @@ async def run_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """fn(*args, **kwargs) on a worker thread; its exception is raised here."""
     call = functools.partial(fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+
+
+PROCESS_NICE = 5  # below the HTTP loop and the engine: a heavy render takes the CPU they leave
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:  # the server was killed (SIGKILL): this worker would wait for ever
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _init_process() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group
+    # not PR_SET_PDEATHSIG: it fires when the spawning *thread* ends (here the model-loading thread)
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="swaserve-parent", daemon=True).start()
+    try:
+        os.nice(PROCESS_NICE)
+    except OSError:  # not permitted here: same priority as the server
+        pass
+
+
+def _process_pool() -> ProcessPoolExecutor:
+    global _procs
+    with _procs_lock:
+        if _procs is None:
+            _procs = ProcessPoolExecutor(PROCESS_WORKERS, mp_context=mp.get_context("spawn"),
+                                         initializer=_init_process)
+        return _procs
+
+
+async def run_proc(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a worker process (fn a module-level function; arguments and result pickled); its
+    exception is raised here. A worker that dies fails its call with a RuntimeError (a 500) and the pool
+    is replaced."""
+    global _procs
+    pool = _process_pool()
+    try:
+        return await asyncio.wrap_future(pool.submit(fn, *args))
+    except BrokenProcessPool:
+        with _procs_lock:
+            if _procs is pool:
+                _procs = None
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeError("a request worker process died") from None
+
+
+def _ready() -> bool:
+    return True
+
+
+def submit_proc(fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args) in a worker process, not waited for (warming up)."""
+    _process_pool().submit(fn, *args)
+
+
+def start_processes() -> None:
+    """Start the worker processes now (at server start) rather than on the first chat request."""
+    for _ in range(PROCESS_WORKERS):
+        submit_proc(_ready)
+
+
+def stop_processes() -> None:
+    """End the worker processes now (server shutdown): a render in progress is cut, not awaited."""
+    global _procs
+    with _procs_lock:
+        pool, _procs = _procs, None
+    if pool is None:
+        return
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
 
 
 def _validate(model: type[M], raw: bytes) -> M:
@@ -70,6 +157,29 @@ def _validate(model: type[M], raw: bytes) -> M:
     return model.model_validate(data)
 
 
+async def read_body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:  # gone, or cut by the body limit (its 413 is already sent)
+        raise APIError(400, "the client went away before sending the whole body", None,
+                       "client_disconnected") from None
+
+
+def invalid_body(errors: list[dict[str, Any]], raw: bytes) -> RequestValidationError:
+    """pydantic's errors for the body -> the RequestValidationError a body parameter raises (a 400)."""
+    errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in errors]
+    if not raw.strip():
+        errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+    return RequestValidationError(errors)
+
+
+async def validate_off_loop(model: type[M], raw: bytes) -> M:
+    try:
+        return await run_cpu(_validate, model, raw)
+    except (ValidationError, SlicedValidationError) as e:
+        raise invalid_body(e.errors(include_url=False), raw) from None
+
+
 def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     """A FastAPI dependency: the request body parsed and validated as `model` on a worker thread
     (pydantic's model_validate_json: JSON and validation in one pass), not on the event loop as a body
@@ -77,18 +187,7 @@ def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     RequestValidationError a body parameter raises, so they become the same 400s."""
 
     async def parse(request: Request) -> M:
-        try:
-            raw = await request.body()
-        except ClientDisconnect:  # gone, or cut by the body limit (its 413 is already sent)
-            raise APIError(400, "the client went away before sending the whole body", None,
-                           "client_disconnected") from None
-        try:
-            return await run_cpu(_validate, model, raw)
-        except (ValidationError, SlicedValidationError) as e:
-            errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors(include_url=False)]
-            if not raw.strip():
-                errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-            raise RequestValidationError(errors) from None
+        return await validate_off_loop(model, await read_body(request))
 
     parse.model = model  # type: ignore[attr-defined]  # server/openapi_doc.py documents the body
     return parse

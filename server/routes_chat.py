@@ -3,72 +3,41 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from swaserve.engine.core import GrammarSpec, RequestOutput
-from swaserve.server import chat_prompt
+from swaserve.engine.core import RequestOutput
 from swaserve.server.chat_choice import ChatChoice
+from swaserve.server.chat_worker import ChatBody, chat_body
 from swaserve.server.common import RequestTracker, RouteCtx, TokenText, chat_logprobs, tracked, usage_dict
 from swaserve.server.errors import bad_request
-from swaserve.server.leniency import check_fields
-from swaserve.server.offload import json_body, run_cpu
+from swaserve.server.leniency import check_fields, report_fields
+from swaserve.server.offload import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.reasoning import ChatOutputParser
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream
-from swaserve.server.structured import grammar_for, json_format
 
 router = APIRouter()
 
 
-@dataclass
-class ChatPlan:
-    """Everything decided before generation (built in a worker thread)."""
-
-    prompt_ids: list[int]
-    message_starts: list[int]
-    plan: chat_prompt.ToolPlan
-    grammar: GrammarSpec | None
-    max_calls: int | None
-    echo: str  # echo: the last message's content, prefixed to the reply (assistant messages only)
-
-
-def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
-    """Messages, tools, template kwargs and structured output -> prompt and grammar (CPU work)."""
-    template = state.chat_template()
-    plan = chat_prompt.tool_plan(req.tools, req.tool_choice, req.functions, req.function_call)
-    messages = chat_prompt.message_dicts(req.messages)
-    kwargs, add_gen = chat_prompt.template_kwargs(req.chat_template_kwargs, req.add_generation_prompt,
-                                                  req.reasoning_effort)
-    if req.continue_final_message and req.add_generation_prompt is None:
-        add_gen = False
-    prompt = chat_prompt.render(template, messages, plan.tools, add_gen, kwargs, req.continue_final_message)
-    rf = req.response_format
-    fmt = json_format(rf.type if rf else None, rf.json_schema.schema_ if rf and rf.json_schema else None,
-                      rf.json_schema.strict if rf and rf.json_schema else None, "response_format")
-    grammar, max_calls = grammar_for(plan, fmt, req.parallel_tool_calls, chat_prompt.thinking_enabled(kwargs))
-    echo = ""
-    if req.echo and messages[-1]["role"] == "assistant":
-        echo = messages[-1].get("content") or ""
-    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, grammar, max_calls, echo)
-
-
 @router.post("/v1/chat/completions")
-async def chat_completions(body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
-                           request: Request) -> Response:
+async def chat_completions(body: Annotated[ChatBody, Depends(chat_body)], request: Request) -> Response:
     state: ServerState = request.app.state.swa
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     return await tracked(state, rid, lambda tracker: _chat(state, body, request, rid, tracker))
 
 
-async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request, rid: str,
+async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
                 tracker: RequestTracker) -> Response:
-    check_fields(req, state.cfg.strict_requests, rid)
+    req = body.req
+    if body.fields is not None:  # walked in the worker process (server/chat_worker.py)
+        report_fields(*body.fields, state.cfg.strict_requests, rid)
+    else:
+        await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if not req.messages:
@@ -79,7 +48,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if req.audio is not None or "audio" in (req.modalities or []):
         raise bad_request("audio output is not supported (text only)", "audio" if req.audio else "modalities")
-    cp = await run_cpu(plan_chat, state, req)
+    cp = await body.planned(state)  # rendering and tokenizing: in a worker process
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}

@@ -80,7 +80,7 @@ async def completions(body: Annotated[CompletionRequest, Depends(json_body(Compl
 
 async def _complete(state: ServerState, req: CompletionRequest, request: Request, rid: str,
                     tracker: RequestTracker) -> Response:
-    check_fields(req, state.cfg.strict_requests, rid)
+    await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from swaserve.server import chat_prompt
+from swaserve.server import chat_prompt, chat_worker
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
-from swaserve.server.offload import json_body, run_cpu
+from swaserve.server.offload import json_body
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -72,8 +72,8 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         if body.continue_final_message:
             add_gen = False
         template = state.chat_template()
-        rendered = await run_cpu(chat_prompt.render, template, msgs, plan.tools, add_gen, kwargs,
-                                           body.continue_final_message)
+        rendered = await chat_worker.render(template, msgs, plan.tools, add_gen, kwargs,
+                                            body.continue_final_message)  # in a worker process
         ids = list(rendered.token_ids)
         starts = list(rendered.message_starts)
     else:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError
 from swaserve.server.chat_choice import ChatChoice
+from swaserve.server.chat_worker import ChatPlan, plan_chat
 from swaserve.server.common import RequestTracker, tracked
 from swaserve.server.errors import APIError, bad_request, from_exception
 from swaserve.server.leniency import check_fields
@@ -36,7 +37,6 @@ from swaserve.server.responses_input import (
     input_messages,
     text_format,
 )
-from swaserve.server.routes_chat import ChatPlan, plan_chat
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream, SSEResponse
 
@@ -67,13 +67,13 @@ async def responses(body: Annotated[ResponsesRequest, Depends(json_body(Response
 
 async def _respond(state: ServerState, req: ResponsesRequest, request: Request, rid: str,
                    tracker: RequestTracker) -> Response:
-    check_fields(req, state.cfg.strict_requests, rid)
+    await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
     engine = state.ready_engine()
     model = state.check_model(req.model)
     if req.n != 1:
         raise bad_request("n must be 1 for /v1/responses", "n")
     chat_req = _chat_request(req)
-    cp: ChatPlan = await run_cpu(plan_chat, state, chat_req)
+    cp: ChatPlan = await plan_chat(state, chat_req)  # in a worker process
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}
     params = build_params(req, req.max_output_tokens, None, engine.tokenizer.vocab_size,

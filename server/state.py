@@ -69,6 +69,7 @@ class ServerState:
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
+        self.on_loaded: Callable[[ChatTemplate | None], None] | None = None  # before /health turns 200
         self.metrics = Metrics(self.stats, lambda: self.model_name)
         self.created = int(time.time())
         self._template: ChatTemplate | None = None
@@ -94,8 +95,14 @@ class ServerState:
             engine = self.loader()
             engine.log_requests = False
             engine.start()
+            freeze_startup_heap()  # before /health turns 200: its full collection holds the GIL 100+ ms
+            if self.on_loaded is not None:  # `swaserve serve`: starts the chat worker processes
+                try:
+                    template = self._template_of(engine)
+                except APIError:  # no chat template: the chat routes answer 400
+                    template = None
+                self.on_loaded(template)
             self.engine = engine
-            freeze_startup_heap()
             logger.info("model %s ready in %.1f s (context %d tokens); serving as %r",
                         engine.model_name, time.perf_counter() - t0, engine.context_length, self.model_name)
             logger.info("sampling defaults for requests that set none: %s",
@@ -120,8 +127,12 @@ class ServerState:
         return self.engine is not None
 
     def shutdown(self) -> None:
-        if self.owns_engine and self.engine is not None:
-            self.engine.shutdown()
+        if self.owns_engine:  # `swaserve serve`: this process ends with its app
+            from swaserve.server.offload import stop_processes
+
+            stop_processes()
+            if self.engine is not None:
+                self.engine.shutdown()
 
     # --- accessors -----------------------------------------------------------------------------
     def ready_engine(self) -> ServedEngine:
@@ -147,7 +158,9 @@ class ServerState:
 
     def chat_template(self) -> ChatTemplate:
         """--chat-template, else the GGUF's; 400 when there is neither."""
-        engine = self.ready_engine()
+        return self._template_of(self.ready_engine())
+
+    def _template_of(self, engine: ServedEngine) -> ChatTemplate:
         if self.cfg.chat_template is not None:
             if self._template is None:
                 from swaserve.engine.chat_template import ChatTemplate
