@@ -45,7 +45,7 @@ def _boom(*a: Any, **kw: Any) -> Any:
 @pytest.mark.parametrize("path,body,target", [
     ("/v1/completions", {"prompt": "a", "max_tokens": 1}, (routes_completions, "build_params")),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1},
-     (routes_chat, "plan_chat")),
+     (routes_chat, "build_params")),
 ])
 def test_500_keeps_the_connection_and_logs_once(live: Any, caplog: Any, monkeypatch: Any, path: str,
                                                  body: dict, target: tuple) -> None:
