@@ -7,10 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from swaserve.engine.tokenizer import Tokenizer
 from swaserve.server import chat_prompt, chat_worker
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
-from swaserve.server.offload import json_body
+from swaserve.server.offload import json_body, run_cpu
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -66,7 +67,7 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
         plan = chat_prompt.tool_plan(body.tools, None)
-        msgs = chat_prompt.message_dicts(body.messages)
+        msgs = await run_cpu(chat_prompt.message_dicts, body.messages)  # O(messages): off the loop
         kwargs, add_gen = chat_prompt.template_kwargs(body.chat_template_kwargs, body.add_generation_prompt,
                                                       None)
         if body.continue_final_message:
@@ -80,7 +81,7 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         assert body.prompt is not None
         tok = engine.tokenizer
         add_bos = body.add_special_tokens and not body.prompt.startswith(tok.id_to_piece(tok.bos_id))
-        ids = tok.encode(body.prompt, add_bos=add_bos)
+        ids = await run_cpu(tok.encode, body.prompt, add_bos=add_bos)
     out = {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
     if body.messages is not None:
         out["message_starts"] = starts
@@ -93,11 +94,16 @@ async def detokenize(body: Annotated[DetokenizeRequest, Depends(json_body(Detoke
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
-    vocab = engine.tokenizer.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "tokens")
-    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    return JSONResponse({"prompt": await run_cpu(_detokenize, engine.tokenizer, body.tokens)})
+
+
+def _detokenize(tok: Tokenizer, ids: list[int]) -> str:
+    """The ids' text (a worker thread: one pass over a request's ids, however many)."""
+    vocab = tok.vocab_size
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})", "tokens")
+    return tok.decode(ids, skip_special_tokens=False)
 
 
 @router.post("/flush_cache")

@@ -72,7 +72,7 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     model = state.check_model(req.model)
     if req.n != 1:
         raise bad_request("n must be 1 for /v1/responses", "n")
-    chat_req = _chat_request(req)
+    chat_req = await run_cpu(_chat_request, req)  # converts every input item: off the loop
     cp: ChatPlan = await plan_chat(state, chat_req)  # in a worker process
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}

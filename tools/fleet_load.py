@@ -196,11 +196,17 @@ async def failover_drill(router: str, model: str, victim_url: str, victim_pid: i
         os.kill(victim_pid, signal.SIGKILL)
         t_kill = time.monotonic()
 
+        last_down = [0.0]  # when the last probe that found the victim down was sent (after t_kill)
+
         async def healthy() -> bool:
+            sent = time.monotonic() - t_kill
             try:
-                return (await client.get(f"{victim_url}/health", timeout=2)).status_code == 200
+                if (await client.get(f"{victim_url}/health", timeout=2)).status_code == 200:
+                    return True
             except httpx.HTTPError:
-                return False
+                pass
+            last_down[0] = sent
+            return False
 
         t_healthy = await wait_for(healthy, rejoin_timeout, 0.25)
 
@@ -213,6 +219,9 @@ async def failover_drill(router: str, model: str, victim_url: str, victim_pid: i
         await asyncio.wait_for(asyncio.gather(*long_tasks), 600)
     after = [r for r in loop_recs if r.started > t_kill]
     before_rejoin = [r for r in after if t_healthy is None or r.started < t_kill + t_healthy]
+    # sent to the victim while it was known to be down: before the last probe that found it down (a request
+    # the router sends between the replica's recovery and this drill's next 0.25 s probe is not one)
+    while_down = [r for r in after if r.started < t_kill + last_down[0]]
     return {
         "victim": victim_url,
         "in_flight_streams": [_outcome(r) for r in long_recs[:in_flight]],
@@ -220,7 +229,7 @@ async def failover_drill(router: str, model: str, victim_url: str, victim_pid: i
         "loop_requests_after_kill": len(after),
         "loop_errors_after_kill": sum(not r.ok for r in after),
         "loop_error_samples": [r.error for r in after if not r.ok][:5],
-        "to_victim_before_it_was_back": sum(r.worker == victim_url for r in before_rejoin),
+        "to_victim_before_it_was_back": sum(r.worker == victim_url for r in while_down),
         "served_by_survivors_before_rejoin": sum(r.worker in survivors for r in before_rejoin),
         "max_latency_after_kill_s": max((r.e2e for r in after), default=0.0),
         "restarted_healthy_after_kill_s": t_healthy,
