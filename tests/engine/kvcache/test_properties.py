@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from swaserve.engine.kvcache import PageAllocator, SWARadixCache
 from tests.engine.kvcache.reference import CheckedCache, Key, check_reuse_ends
+from tests.engine.kvcache.request_rules import RequestRules
 
 
 @dataclass
@@ -33,7 +34,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class CacheMachine(RuleBasedStateMachine):
+class CacheMachine(RequestRules):
     P = 4
 
     @initialize(
@@ -68,19 +69,6 @@ class CacheMachine(RuleBasedStateMachine):
             check_reuse_ends(self.cc.c)
 
     # ---- requests -----------------------------------------------------------------------------
-    @precondition(lambda self: len(self.running) < 3)
-    @rule(data=st.data())
-    def start(self, data) -> None:
-        self._start(data)
-
-    @precondition(lambda self: len(self.running) < 3)
-    @rule(data=st.data())
-    def serve(self, data) -> None:
-        """A whole request at once: admission, chunks with inserts, finish."""
-        r = self._start(data)
-        while r is not None and r in self.running:
-            self._advance(r, data)
-
     def _start(self, data) -> Req | None:
         sources = self.stems + self.finished
         base = data.draw(st.sampled_from(sources))

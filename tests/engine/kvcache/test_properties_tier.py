@@ -21,19 +21,20 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from swaserve.engine.core import Req, SamplingParams
 from swaserve.engine.kvcache import Arena, PageAllocator, SWARadixCache
 from swaserve.engine.kvcache.tier import DictTierIO, KVTier, chain_keys
 from swaserve.engine.scheduler import KVManager
 from tests.engine.kvcache.reference import dump
+from tests.engine.kvcache.request_rules import RequestRules
 
 Key = tuple[int, ...]
 K = 3  # full pages per arena / tier block
 
 
-class TierMachine(RuleBasedStateMachine):
+class TierMachine(RequestRules):
     P = 4
 
     @initialize(
@@ -123,19 +124,6 @@ class TierMachine(RuleBasedStateMachine):
                 "a tier record holds other KV than its key names"
 
     # ---- requests ---------------------------------------------------------------------------------
-    @precondition(lambda self: len(self.running) < 3)
-    @rule(data=st.data())
-    def start(self, data) -> None:
-        self._start(data)
-
-    @precondition(lambda self: len(self.running) < 3)
-    @rule(data=st.data())
-    def serve(self, data) -> None:
-        """A whole request at once: admission, chunks (with inserts and drops), finish."""
-        r = self._start(data)
-        while r is not None and r in self.running:
-            self._advance(r, data)
-
     def _start(self, data) -> Req | None:
         P = self.P
         base = data.draw(st.sampled_from(self.stems + self.finished))
