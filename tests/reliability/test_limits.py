@@ -106,3 +106,20 @@ def test_empty_key_file_is_one_line_error(tmp_path) -> None:
     (tmp_path / "k").write_text("\n")
     with pytest.raises(ValueError, match="--api-key-file .*empty"):
         server_config_from_args(serve_args("--api-key-file", str(tmp_path / "k")))
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_deeply_nested_tool_choice_name_is_not_a_500(live, declared: bool) -> None:
+    """A named tool_choice whose name nests 3,000 `[` (a RecursionError and a 500 once): a tool of that name
+    is forced (200), an undeclared one is a 400 naming tool_choice; the server goes on answering."""
+    s = live()
+    name = "[" * 3000
+    tools = [{"type": "function", "function": {"name": name if declared else "f", "parameters": {}}}]
+    with s.http() as h:
+        r = h.post(CHAT, json={"messages": USER, "max_tokens": 8, "tools": tools,
+                               "tool_choice": {"type": "function", "function": {"name": name}}})
+        if declared:
+            assert r.status_code == 200, r.text[:300]
+        else:
+            assert_envelope(r, 400, "tool_choice")
+        assert h.get("/health").status_code == 200
