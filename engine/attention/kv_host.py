@@ -352,11 +352,20 @@ class HostTierIO:
             pass
 
     def close(self) -> None:
-        """Seal every queued write, join the thread, close the file."""
+        """Seal every queued write, join the thread, close the file and release the host level's buffer
+        (idempotent; the TierIO is unusable afterwards)."""
         if self.closed:
             return
-        self.closed = True
         self._stop()
+        with self.cond:
+            self.closed = True
+            self.frames.clear()
+            self.dirty.clear()
+            self.clean.clear()
+            self.fetches.clear()
+            self.block_busy.clear()
+            self.space = SlotSpace(self.host_blocks, self.k)
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the frames' memory goes back now
         self.disk.close()
 
     def stats(self) -> dict[str, Any]:
