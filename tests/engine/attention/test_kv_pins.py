@@ -154,7 +154,7 @@ def test_pins_of_frames_spread_over_blocks_stay_within_the_block_bound(tmp_path,
         assert tier.save("full", KEYS[i], i)
     io.drain()
     by_block: dict[int, int] = {}
-    for (kind, slot), f in io.frames.items():
+    for (_, slot), f in io.frames.items():
         by_block.setdefault(f.hslot // k, slot)
     assert len(by_block) == 4  # every host block holds full frames
     owners = [object() for _ in range(4)]
