@@ -3,6 +3,7 @@ without it, promoted KV equals recomputed KV, cached_tokens counts the promoted 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -171,3 +172,31 @@ def test_close_joins_the_writer_keeps_the_records_and_refuses_requests(tmp_path,
     s = again.engine.stats()
     assert s["prefix_cache_hit_tokens_by_tier"]["offload"] == o.cached_tokens
     assert s["kv_tier"]["rejected"] == 0
+
+
+def test_server_shutdown_closes_the_engine_it_loaded(tmp_path, tiered_llm) -> None:
+    """The server's shutdown (ServerState.shutdown, `swaserve serve` without an engine process) closes the
+    AsyncEngine it loaded and so the core: the tier's thread is joined; a request afterwards fails with
+    EngineClosed (the server answers 503) instead of waiting."""
+    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.server.errors import from_exception
+    from swaserve.server.state import ServerConfig, ServerState
+
+    llm = tiered_llm(kv_offload_dir=str(tmp_path), kv_offload_gb=0.05)
+    io = llm.engine.tier.io
+    state = ServerState(ServerConfig(), None, loader=lambda: AsyncEngine(llm.engine))
+    state.start_loading()
+    assert state.wait_loaded(60)
+    eng = state.engine
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def run(rid: str) -> list:
+        return [o async for o in eng.generate(rid, [2, 5, 6, 7, 8], greedy)]
+
+    assert sum(len(o.token_ids) for o in asyncio.run(run("a"))) == 2
+    state.shutdown()
+    assert llm.engine.closed and not io.thread.is_alive() and eng._thread is None
+    t0 = time.monotonic()
+    with pytest.raises(EngineClosed) as e:
+        asyncio.run(run("b"))
+    assert time.monotonic() - t0 < 1.0 and from_exception(e.value).status == 503
