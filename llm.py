@@ -39,6 +39,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Close the engine (Engine.close(): the KV tier's writes sealed, its thread joined, its memory
+        freed); idempotent. generate() afterwards raises EngineClosed."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_bos=True)
 
@@ -133,7 +144,10 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids, _ = llm.chat_ids([{"role": "user", "content": args.prompt}])
         else:
             prompt_ids = llm.encode(args.prompt)
-    (out,) = llm.generate([prompt_ids], params)
+    try:
+        (out,) = llm.generate([prompt_ids], params)
+    finally:
+        llm.close()
     print(out.text)
     if args.print_ids:
         print(",".join(str(t) for t in out.token_ids))

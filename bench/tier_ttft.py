@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     evict_to_disk()
     s3 = tier.stats()
     io.fetch = lambda kind, slot: False  # no background fetch: the admission reads every record itself
+    io.pin = lambda kind, slot, owner: None
     disk = _timed(llm, prefix + qs[2])
-    del io.fetch
+    del io.fetch, io.pin
     s4 = tier.stats()
     disk_bytes, disk_s, disk_reads = delta(s3, s4, "bytes_read", "read_seconds", "disk_reads")
     print("4/5 fetched while queued ...", file=sys.stderr, flush=True)

@@ -82,6 +82,12 @@ class AsyncEngine:
         for rid in list(self._streams):  # streams still open will get no more outputs
             self._emit_error(rid, RuntimeError("the engine was shut down"))
 
+    def close(self) -> None:
+        """shutdown(), then close the core (Engine.close(): the KV tier sealed and joined); for the owner of
+        the core (the server that built it). Idempotent; generate() afterwards raises EngineClosed."""
+        self.shutdown()
+        self.core.close()
+
     def _loop(self) -> None:
         while not self._stop:
             self._drain()

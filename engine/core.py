@@ -25,6 +25,10 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full (the server answers 503)."""
 
 
+class EngineClosed(RuntimeError):
+    """The engine was closed (Engine.close()): it takes no more requests (the server answers 503)."""
+
+
 class RequestFailed(RuntimeError):
     """One request failed while being served (the others go on); the server answers 500 with its id."""
 

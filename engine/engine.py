@@ -16,7 +16,7 @@ from typing import Any
 
 from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
-from swaserve.engine.core import Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.core import EngineClosed, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from swaserve.engine.grammar import GrammarBackend
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
@@ -96,11 +96,14 @@ class Engine:
         self.reuse_log = snapshot.ReuseLog()  # inspector: recent requests, reused length, why reuse stopped
         self.pool_history = snapshot.PoolHistory()  # inspector: pool usage, a sample a second while busy
         self.scheduler.kv.on_admit = self._record_reuse
+        self.closed = False  # close(): the tier's thread joined, its file closed; no more requests
 
     # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                       anchors: Sequence[int] = ()) -> list[Req]:
-        """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input."""
+        """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input,
+        EngineClosed after close()."""
+        self._check_open()
         params.validate(self.tokenizer.vocab_size)
         if params.grammar is not None:
             self.grammar.check(params.grammar)  # compiles (ms; cached by spec); RequestError if invalid
@@ -124,6 +127,7 @@ class Engine:
 
     def add_reqs(self, reqs: list[Req]) -> None:
         """Queue Reqs built by make_requests; RequestError when the request id is in use."""
+        self._check_open()
         rid = reqs[0].request_id
         if rid in self._open:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
@@ -151,6 +155,7 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step: schedule, run the model, sample, update; returns the new outputs."""
+        self._check_open()
         t0 = time.perf_counter()
         batch, aborted = self.scheduler.schedule()
         outs: list[RequestOutput] = []
@@ -330,6 +335,24 @@ class Engine:
             "generation_tokens_total": self.generation_tokens_total,
             "busy_seconds_total": self.step_time,
         }
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what outlives a step: requests still in flight finish with 'abort', the second tier's
+        queued writes are sealed, its background thread joined, its file closed and its host level freed
+        (a restart finds every record written). Idempotent; afterwards add_request raises EngineClosed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.fail_all()
+        finally:
+            if self.tier is not None:
+                self.tier.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosed("the engine is closed (Engine.close() was called); build a new one")
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; False (nothing done) while requests run or wait."""

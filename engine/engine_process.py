@@ -87,7 +87,10 @@ def _engine_main(factory: EngineFactory, cfg: EngineConfig, inbox: Connection, o
             wake.set()
 
     threading.Thread(target=receive, name="swaserve-engine-recv", daemon=True).start()
-    _EngineLoop(core, messages, wake, outbox).run()
+    try:
+        _EngineLoop(core, messages, wake, outbox).run()
+    finally:  # shutdown or the server gone: seal the KV tier's queued writes, join its thread
+        core.close()
 
 
 class _EngineLoop:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed
+from swaserve.engine.core import EngineClosed, EngineOverloaded, RequestError, RequestFailed
 
 logger = logging.getLogger("swaserve.server")
 
@@ -61,6 +61,8 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(400, str(e), e.param)
     if isinstance(e, EngineOverloaded):
         return APIError(503, str(e) or "the server is overloaded; retry later", None, "overloaded")
+    if isinstance(e, EngineClosed):
+        return APIError(503, str(e), None, "shutting_down")
     known = getattr(e, "_swaserve_api_error", None)  # one id per exception, however often it is mapped
     if isinstance(known, APIError):
         return known

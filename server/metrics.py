@@ -148,6 +148,14 @@ def _tier_levels(tier: dict[str, Any], model: str) -> Iterator[Any]:
     host.add_metric([model, "used"], float(tier["host_bytes"]))
     host.add_metric([model, "capacity"], float(tier["host_capacity_bytes"]))
     yield host
+    pinned = GaugeMetricFamily(PREFIX + "kv_tier_pinned_records", "Offload-tier records pinned in the host "
+                               "level for requests waiting in the queue.", labels=labels)
+    pinned.add_metric([model], float(tier.get("pinned_records", 0)))
+    yield pinned
+    refused = CounterMetricFamily(PREFIX + "kv_tier_pins_refused", "Read-aheads not pinned (or not read) "
+                                  "because pins hold half the host level already.", labels=labels)
+    refused.add_metric([model], float(tier.get("pin_refused", 0)))
+    yield refused
 
 
 class Metrics:

@@ -133,6 +133,9 @@ class ServerState:
             stop_processes()
             if self.engine is not None:
                 self.engine.shutdown()
+                close = getattr(self.engine, "close", None)  # AsyncEngine: the core's KV tier sealed, joined
+                if close is not None:
+                    close()
 
     # --- accessors -----------------------------------------------------------------------------
     def ready_engine(self) -> ServedEngine:

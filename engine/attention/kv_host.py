@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from swaserve.engine.attention.kv_offload import MmapTierIO
+from swaserve.engine.attention.kv_pins import PinsMixin
 from swaserve.engine.kvcache.tier import SlotSpace
 
 log = logging.getLogger("swaserve.engine")
@@ -59,6 +60,7 @@ class _Frame:
     gen: int
     ev: Any = None  # the copy into the frame (CUDA)
     dead: bool = False  # invalidated while the thread works on it: the thread frees its host slot
+    pinned: bool = False  # counted in pin_blocks (its record is pinned by a waiting request)
 
 
 def _at_shutdown(io: HostTierIO) -> None:
@@ -78,7 +80,7 @@ def _at_shutdown(io: HostTierIO) -> None:
         atexit.register(drain)
 
 
-class HostTierIO:
+class HostTierIO(PinsMixin):
     """TierIO: a host level and a background writer / fetcher in front of an MmapTierIO (module docstring).
     threaded=False runs no thread: work_once() does one job in the caller (deterministic tests)."""
 
@@ -100,11 +102,12 @@ class HostTierIO:
         self.writing: set[Key] = set()  # slots the thread is copying into the file
         self.loading = 0  # fetches in flight
         self.block_busy: dict[int, Any] = {}  # host block -> the last copy out of it (CUDA)
+        self._init_pins(host_blocks)  # records a waiting request will promote (engine/attention/kv_pins.py)
         self.cond = threading.Condition()
         self.stopping = self.closed = False
         self.n = dict.fromkeys(("host_hits", "disk_reads", "disk_writes", "sync_writes", "fetch_queued",
                                 "fetched", "fetch_rejected", "fetch_waits", "fetch_cancelled",
-                                "fetch_timeouts", "fetch_skipped", "frames_dropped"), 0)
+                                "fetch_timeouts", "fetch_skipped", "frames_dropped", "pin_refused"), 0)
         self.t = dict.fromkeys(("stage_seconds", "disk_write_seconds", "fetch_seconds",
                                 "fetch_wait_seconds"), 0.0)
         self.thread: threading.Thread | None = None
@@ -136,6 +139,8 @@ class HostTierIO:
         return h
 
     def _free(self, f: _Frame) -> None:  # lock held; f already out of the maps
+        if f.pinned:
+            self._pin_block(f, -1)
         self.space.free(f.kind, f.hslot)
 
     # ---- TierIO -----------------------------------------------------------------------------------
@@ -207,7 +212,11 @@ class HostTierIO:
                 if f.state in ("dirty", "clean"):
                     self._free(f)
                 else:  # writing / loading: the thread frees it when done
+                    if f.pinned:
+                        self._pin_block(f, -1)
                     f.dead = True
+            if self.pins.pop(k, None) is not None:
+                self.pin_bytes -= self.page_bytes[kind]
             self.disk.invalidate(kind, slot)
 
     def records(self) -> list[tuple[str, int, bytes]]:
@@ -263,7 +272,15 @@ class HostTierIO:
             if h is None:  # every frame is busy: the admission will read it
                 self.n["fetch_skipped"] += 1
                 continue
-            f = self.frames[k] = _Frame(k[0], k[1], h, None, "loading", gen)
+            f = _Frame(k[0], k[1], h, None, "loading", gen)
+            if k in self.pins:
+                if not self._can_pin(f):  # a new block past the bound: the admission reads the file
+                    self.space.free(f.kind, h)
+                    self.n["fetch_skipped"] += 1
+                    self.n["pin_refused"] += 1
+                    continue
+                self._pin_block(f, +1)
+            self.frames[k] = f
             self.loading += 1
             return f
         if self.dirty:
@@ -288,8 +305,8 @@ class HostTierIO:
                     self.disk.seal(f.kind, f.slot, f.key, crc)
                     self.n["disk_writes"] += 1
                 f.state = "clean"
-                if self.retain:
-                    self.clean[k] = f
+                if self.retain or k in self.pins:
+                    self._settle(f)
                 else:
                     del self.frames[k]
                     self._free(f)
@@ -310,7 +327,7 @@ class HostTierIO:
                 self._free(f)
             else:
                 f.key, f.state = key, "clean"
-                self.clean[k] = f
+                self._settle(f)
                 self.n["fetched"] += 1
             self.t["fetch_seconds"] += time.perf_counter() - t0
             self.cond.notify_all()
@@ -352,11 +369,23 @@ class HostTierIO:
             pass
 
     def close(self) -> None:
-        """Seal every queued write, join the thread, close the file."""
+        """Seal every queued write, join the thread, close the file and release the host level's buffer
+        (idempotent; the TierIO is unusable afterwards)."""
         if self.closed:
             return
-        self.closed = True
         self._stop()
+        with self.cond:
+            self.closed = True
+            self.frames.clear()
+            self.dirty.clear()
+            self.clean.clear()
+            self.fetches.clear()
+            self.block_busy.clear()
+            self.pins.clear()
+            self.pin_blocks.clear()
+            self.pin_bytes = 0
+            self.space = SlotSpace(self.host_blocks, self.k)
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the frames' memory goes back now
         self.disk.close()
 
     def stats(self) -> dict[str, Any]:
@@ -365,4 +394,5 @@ class HostTierIO:
             return {"host_level": self.retain,
                     "host_capacity_bytes": self.host_blocks * self.page_bytes["swa"],
                     "host_bytes": held, "pending_writes": len(self.dirty) + len(self.writing),
+                    "pinned_records": len(self.pins), "pinned_blocks": len(self.pin_blocks),
                     **self.n, **self.t}

@@ -20,7 +20,7 @@ import hashlib
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 KEY_BYTES = 16
@@ -138,14 +138,28 @@ class SlotSpace:
             self.partial[b] = None
 
 
-class KVTier:
-    """Index of the tier: (kind, key) -> slot, least recently used first; counters for metrics."""
+PIN_TTL_S = 60.0  # a waiting request's pins expire after this long in the queue
 
-    def __init__(self, io: TierIO, num_blocks: int, full_per_block: int, name: str = "disk"):
+
+class KVTier:
+    """Index of the tier: (kind, key) -> slot, least recently used first; counters for metrics.
+
+    Pins: `fetch(kind, keys, owner)` (a request entering the queue) pins the records it reads ahead, in a
+    store that has a host level (`io.pin`): they are not dropped for room, here or from the host level,
+    until `unpin(owner)` (admission, abort) or `pin_ttl_s` after the first pin (the request waited too
+    long). The store bounds them (at most half its host level); a record it refuses is simply not read
+    ahead."""
+
+    def __init__(self, io: TierIO, num_blocks: int, full_per_block: int, name: str = "disk",
+                 pin_ttl_s: float = PIN_TTL_S, clock: Callable[[], float] = time.monotonic):
         self.io = io
         self.name = name
         self.slots = SlotSpace(num_blocks, full_per_block)
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self.pin_ttl_s, self.clock = pin_ttl_s, clock
+        self._pins: dict[Any, tuple[float, list[tuple[str, bytes, int]]]] = {}  # owner -> (expiry, records)
+        self._pinned: dict[tuple[str, bytes], int] = {}  # record -> owners pinning it
+        self.pins_expired = 0
         self.written = {k: 0 for k in KINDS}  # pages written
         self.read = {k: 0 for k in KINDS}  # pages served (verified)
         self.rejected = 0  # reads refused by a failed check (torn / stale / corrupt record): not served
@@ -172,9 +186,14 @@ class KVTier:
         if k in self._lru:
             self._lru.move_to_end(k)
             return True
+        self.expire_pins()
         slot = self.slots.alloc(kind)
-        while slot is None and self._lru:
-            (okind, _), oslot = self._lru.popitem(last=False)
+        while slot is None:
+            victim = next((x for x in self._lru if x not in self._pinned), None)  # pinned records stay
+            if victim is None:
+                break
+            okind = victim[0]
+            oslot = self._lru.pop(victim)
             self.io.invalidate(okind, oslot)
             self.slots.free(okind, oslot)
             self.dropped += 1
@@ -202,13 +221,54 @@ class KVTier:
         """Whether the store reads records ahead into a host level (fetch)."""
         return hasattr(self.io, "fetch")
 
-    def fetch(self, kind: str, keys: Sequence[bytes]) -> int:
+    def fetch(self, kind: str, keys: Sequence[bytes], owner: Any = None) -> int:
         """Ask the store to bring these records into its host level in the background, verified (a request
-        waiting in the queue will promote them); how many reads it queued (0: the store has no such level)."""
-        fetch = getattr(self.io, "fetch", None)
-        if fetch is None:
-            return 0
-        return sum(fetch(kind, self._lru[(kind, key)]) for key in keys if (kind, key) in self._lru)
+        waiting in the queue will promote them); how many reads it queued (0: the store has no such level).
+        With an owner and a store that pins, the records are pinned for it (class docstring)."""
+        pin = getattr(self.io, "pin", None)
+        if owner is None or pin is None:
+            fetch = getattr(self.io, "fetch", None)
+            if fetch is None:
+                return 0
+            return sum(fetch(kind, self._lru[(kind, key)]) for key in keys if (kind, key) in self._lru)
+        self.expire_pins()
+        queued = 0
+        for key in keys:
+            slot = self._lru.get((kind, key))
+            if slot is None:
+                continue
+            got = pin(kind, slot, owner)
+            if got is None:  # the store's pins are at their bound: no read-ahead
+                continue
+            queued += got
+            entry = self._pins.setdefault(owner, (self.clock() + self.pin_ttl_s, []))
+            entry[1].append((kind, key, slot))
+            self._pinned[(kind, key)] = self._pinned.get((kind, key), 0) + 1
+        return queued
+
+    def unpin(self, owner: Any) -> None:
+        """owner (a request) was admitted or left the queue: its records may be dropped again."""
+        entry = self._pins.pop(owner, None)
+        if entry is None:
+            return
+        for kind, key, slot in entry[1]:
+            n = self._pinned[(kind, key)] - 1
+            if n:
+                self._pinned[(kind, key)] = n
+            else:
+                del self._pinned[(kind, key)]
+            if self._lru.get((kind, key)) == slot:
+                self.io.unpin(kind, slot, owner)  # type: ignore[attr-defined]
+
+    def expire_pins(self) -> None:
+        """Unpin the owners pinned longer than pin_ttl_s (oldest first: expiries come in pin order)."""
+        now = self.clock()
+        while self._pins:
+            owner, (expiry, _) = next(iter(self._pins.items()))
+            if expiry > now:
+                return
+            self.unpin(owner)
+            self.pins_expired += 1
 
     def close(self) -> None:
         """Let the store finish its writes and close (a restart finds every record written)."""
@@ -237,6 +297,8 @@ class KVTier:
         return True
 
     def clear(self) -> None:
+        for owner in list(self._pins):
+            self.unpin(owner)
         for (kind, _), slot in self._lru.items():
             self.io.invalidate(kind, slot)
             self.slots.free(kind, slot)
@@ -268,6 +330,7 @@ class KVTier:
             "bytes_read": sum(self.read[k] * pb[k] for k in KINDS),
             "rejected": self.rejected, "dropped": self.dropped, "promotions": self.promotions,
             "promoted_tokens": self.promoted_tokens, "reopened": self.reopened,
+            "pinned_owners": len(self._pins), "pins_expired": self.pins_expired,
             "read_seconds": self.read_seconds, "write_seconds": self.write_seconds,
             **(self.io.stats() if hasattr(self.io, "stats") else {}),  # the store's levels and queues
         }

@@ -46,7 +46,10 @@ class KVManager:
         """Match the request's tokens against the cache and lock the hit; returns the reused length.
         With a second tier, what the prompt can reuse from it is promoted into the cache first."""
         assert req.handle is None and not req.full_pages
-        gained = promote(self, req.token_ids) if self.tier is not None else 0
+        gained = 0
+        if self.tier is not None:
+            gained = promote(self, req.token_ids)
+            self.tier.unpin(req)  # what its prefetch pinned is in the tree now (or was read from the file)
         m = self.cache.match(req.token_ids)
         if req.cached_tokens is None:  # the part of the reported reuse the tier served
             reused = min(m.reused_len, req.prompt_len)
@@ -63,9 +66,10 @@ class KVManager:
         return m.reused_len
 
     def prefetch(self, req: Req) -> None:
-        """The request entered the queue: the tier may start reading what its admission will promote."""
+        """The request entered the queue: the tier may start reading what its admission will promote (pinned
+        in its host level for req until admit or release)."""
         if self.tier is not None:
-            prefetch(self, req.token_ids)
+            prefetch(self, req.token_ids, owner=req)
 
     def unadmit(self, req: Req) -> None:
         """Undo admit() for a request that got no pages of its own."""
@@ -202,6 +206,8 @@ class KVManager:
     def release(self, req: Req, finished: bool) -> None:
         """Give everything back: insert the computed KV into the cache (finished: as a finished
         request, for the eager policy), unlock, free the request's own pages."""
+        if self.tier is not None:
+            self.tier.unpin(req)  # aborted / failed while waiting: its read-ahead may be dropped again
         if req.handle is None:
             assert not req.full_pages
             self._reset(req)

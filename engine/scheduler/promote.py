@@ -7,7 +7,8 @@ tree alone gives, fresh pool pages are allocated (evicting, which may itself wri
 tier's records are verified and copied into them, and they are inserted into the tree, so the ordinary
 match finds them. Any failure (no memory, a record dropped or rejected meanwhile) undoes the promotion:
 nothing unverified is ever inserted. `prefetch`, called when the request enters the queue, lets a tier with a
-host level (engine/attention/kv_host.py) read those records in the background meanwhile.
+host level (engine/attention/kv_host.py) read those records in the background meanwhile, pinned there for the
+request until KVManager unpins them (admission, abort) or they expire (engine/kvcache/tier.py).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, i
     return p, base, max(k, base), keys[:max(k, base)]
 
 
-def prefetch(kv: KVManager, ids: Sequence[int]) -> int:
+def prefetch(kv: KVManager, ids: Sequence[int], owner: Any = None) -> int:
     """A request entered the queue: ask the tier to read, in the background, the records a promotion of
-    `ids` would load now (into its host level, verified), so that the admission copies from host memory.
-    Returns the reads queued (0 without a host level). Changes nothing in the tree."""
+    `ids` would load now (into its host level, verified), so that the admission copies from host memory;
+    with an owner (the request) they stay pinned there until KVTier.unpin(owner). Returns the reads queued
+    (0 without a host level). Changes nothing in the tree."""
     cache, tier = kv.cache, kv.tier
     assert isinstance(cache, SWARadixCache) and tier is not None
     if not tier.can_fetch:
@@ -77,7 +79,7 @@ def prefetch(kv: KVManager, ids: Sequence[int]) -> int:
         return 0
     _, swa, _ = cache.probe(ids, min(k, p))
     loads = [keys[i] for i in range(cache.window_start(k), k) if not (i < p and swa[i] is not None)]
-    return tier.fetch("full", keys[p:k]) + tier.fetch("swa", loads)
+    return tier.fetch("full", keys[p:k], owner) + tier.fetch("swa", loads, owner)
 
 
 def promote(kv: KVManager, ids: Sequence[int]) -> int:

@@ -27,6 +27,21 @@ def build_demo_engine(cfg: EngineConfig):
     return Engine(cfg, load_model(cfg, progress=False))
 
 
+def build_engine_marking_close(cfg: EngineConfig):
+    """build_demo_engine whose close() writes engine.closed and the tier's writer state to $CLOSE_MARK."""
+    eng = build_demo_engine(cfg)
+    close = eng.close
+
+    def marked() -> None:
+        close()
+        thread = eng.tier.io.thread
+        with open(os.environ["CLOSE_MARK"], "w") as f:
+            f.write(f"{eng.closed} {thread.is_alive()} {eng.tier.stats()['pending_writes']}")
+
+    eng.close = marked
+    return eng
+
+
 def fail_to_load(cfg: EngineConfig):
     raise ValueError("--model broken.gguf: not a GGUF file")
 
@@ -149,3 +164,27 @@ def test_cache_state_over_the_pipe(client):
     assert recent["s1"]["cached_tokens"] == len(shared) // page * page
     assert recent["s1"]["reason"] == ("page_alignment" if len(shared) % page else "no_match")
     assert st["pool_history"] and set(st["pool_history"][-1]) == {"time", "full_pool", "swa_pool"}
+
+
+def test_the_engine_process_closes_its_engine_at_shutdown(tmp_path, monkeypatch):
+    """The engine process closes its Engine when it stops (the KV tier's writes sealed, its thread joined);
+    a new engine on the same directory promotes the prompt from the records it wrote."""
+    mark = tmp_path / "closed"
+    monkeypatch.setenv("CLOSE_MARK", str(mark))
+    kw = dict(KW, kv_offload_dir=str(tmp_path / "tier"), kv_offload_gb=0.05, max_total_tokens=512,
+              max_running_requests=2,
+              swa_tokens=256, cpu_matmul="exact")
+    prompt = [2] + [(11 * j) % 900 + 3 for j in range(120)]
+    c = EngineClient(build_engine_marking_close, engine_config_from_kwargs(None, **kw), start_timeout=600)
+    try:
+        first = asyncio.run(_collect(c, "a", prompt, greedy(3)))
+        for i in range(3):  # other prompts push the first one out of the arena: into the tier
+            big = [2] + [(13 * j + i) % 900 + 5 for j in range(600)]
+            asyncio.run(_collect(c, f"b{i}", big, greedy(1)))
+    finally:
+        c.shutdown()
+    assert mark.read_text() == "True False 0"
+    with LLM(None, **kw) as llm:
+        assert llm.engine.tier.reopened > 0
+        (o,) = llm.generate([prompt], greedy(3))
+    assert o.cached_tokens > 0 and o.token_ids == [t for x in first for t in x.token_ids]

@@ -35,13 +35,15 @@ def test_no_tier_no_series() -> None:
 def test_host_level_series() -> None:
     host = {"host_hits": 30, "disk_reads": 6, "fetched": 5, "fetch_rejected": 1, "fetch_skipped": 0,
             "fetch_cancelled": 2, "fetch_timeouts": 0, "sync_writes": 4, "pending_writes": 7,
-            "host_bytes": 1 << 20, "host_capacity_bytes": 1 << 30}
+            "host_bytes": 1 << 20, "host_capacity_bytes": 1 << 30, "pinned_records": 9, "pin_refused": 3}
     text = render({"prefix_cache_hit_tokens": 7, "kv_tier": {**TIER, **host}})
     for line in ('swaserve:kv_tier_level_reads_total{level="host",model_name="m"} 30.0',
                  'swaserve:kv_tier_level_reads_total{level="disk",model_name="m"} 6.0',
                  'swaserve:kv_tier_fetches_total{model_name="m",result="cancelled"} 2.0',
                  'swaserve:kv_tier_sync_writes_total{model_name="m"} 4.0',
                  'swaserve:kv_tier_pending_writes{model_name="m"} 7.0',
-                 'swaserve:kv_tier_host_bytes{model_name="m",state="used"} 1.048576e+06'):
+                 'swaserve:kv_tier_host_bytes{model_name="m",state="used"} 1.048576e+06',
+                 'swaserve:kv_tier_pinned_records{model_name="m"} 9.0',
+                 'swaserve:kv_tier_pins_refused_total{model_name="m"} 3.0'):
         assert line in text, line
     assert "kv_tier_level_reads" not in render({"kv_tier": TIER})  # a tier without a host level
