@@ -18,22 +18,10 @@ from swaserve.engine.attention.kv_offload import MmapTierIO, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool
 from swaserve.engine.kvcache.tier import KVTier, chain_keys
 from swaserve.models.tiny import preset_config
+from tests.engine.attention.tier_helpers import CPU, P, page
 
 FP = fingerprint(["test-host", 1])
-P = 4
 KEYS = chain_keys(list(range(40)), P, 10)
-CPU = HostCopies(torch.device("cpu"))
-
-
-@pytest.fixture()
-def pool() -> ArenaKVPool:
-    pool = ArenaKVPool(preset_config("tiny"), 6, P, torch.float32, torch.device("cpu"))
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(0)))
-    return pool
-
-
-def page(pool: ArenaKVPool, kind: str, i: int) -> torch.Tensor:
-    return pool.page_tensor(kind)[i]
 
 
 def open_io(path, pool, host_blocks=2, retain=True, copies=CPU, threaded=False, disk_cls=MmapTierIO,

@@ -12,17 +12,9 @@ import torch
 from swaserve.engine.attention.kv_offload import FILE_HEADER, REC_BYTES, MmapTierIO, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool
 from swaserve.engine.kvcache.tier import KVTier, chain_keys
-from swaserve.models.tiny import preset_config
+from tests.engine.attention.tier_helpers import P
 
 FP = fingerprint(["test", 1])
-P = 4
-
-
-@pytest.fixture()
-def pool() -> ArenaKVPool:
-    pool = ArenaKVPool(preset_config("tiny"), 6, P, torch.float32, torch.device("cpu"))
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(0)))
-    return pool
 
 
 def open_tier(path, pool: ArenaKVPool, fp: bytes = FP, blocks: int = 3) -> tuple[MmapTierIO, KVTier]:
