@@ -62,16 +62,31 @@ async def _collect(client: EngineClient, rid: str, ids: list[int], params: Sampl
 
 
 def test_outputs_match_the_in_process_engine(client):
+    """The same greedy tokens as the in-process engine. Requests reach the engine process at other times, so
+    the batches differ (prefill chunks and decode rows mixed otherwise) and the logits move by ~1e-3: where a
+    sequence diverges, the in-process run must show a near-tie there (its top two within 0.02 nats, the
+    process's token one of them; prompt 4's last token has a 0.0106 gap and flipped once in CI), and the rest
+    of that sequence is not compared."""
     prompts = [[2] + [(7 * i + 3 * j) % 900 + 3 for j in range(20 + 9 * i)] for i in range(5)]
-    expected = LLM(None, **KW).generate(prompts, greedy(6))
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    expected = LLM(None, **KW).generate(prompts, params)
 
     async def main():
-        return await asyncio.gather(*[_collect(client, f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[_collect(client, f"r{i}", p, params) for i, p in enumerate(prompts)])
 
+    exact = 0
     for outs, exp in zip(asyncio.run(main()), expected):
-        assert [t for o in outs for t in o.token_ids] == exp.token_ids
-        assert "".join(o.text for o in outs) == exp.text
+        got = [t for o in outs for t in o.token_ids]
+        assert len(got) == len(exp.token_ids) == 6
+        diverged = next((i for i, (a, b) in enumerate(zip(got, exp.token_ids)) if a != b), None)
         assert outs[-1].finished and outs[-1].finish_reason == "length"
+        if diverged is None:
+            exact += 1
+            assert "".join(o.text for o in outs) == exp.text
+            continue
+        (t1, l1), (t2, l2) = exp.logprobs[diverged].top[:2]
+        assert abs(l1 - l2) < 0.02 and got[diverged] in (t1, t2), (diverged, got, exp.token_ids, exp.logprobs)
+    assert exact >= 4, exact
     assert client.tokenizer.decode(expected[0].token_ids) is not None
     s = client.stats()
     assert s["running"] == 0 and s["waiting"] == 0 and s["full_pool"]["used"] == 0
