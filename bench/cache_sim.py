@@ -12,8 +12,8 @@ need (each its window plus two pages, and one prefill chunk: the minimum engine/
 and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
 same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
 pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policies `X+tier` (lazy+tier,
-eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier.py) large enough for every
-page of the trace: the pages a later request can use (engine/kvcache/demotion.py) are written to it when
+eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier/index.py) large enough for every
+page of the trace: the pages a later request can use (engine/kvcache/tier/demotion.py) are written to it when
 evicted or trimmed and promoted back at admission (its records are the fake model's KV, so --check covers
 them); the JSON rows then count the pages written per kind.
 """
@@ -33,12 +33,13 @@ from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, mak
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
 from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
-from swaserve.engine.kvcache.tier import DictTierIO, KVTier
+from swaserve.engine.kvcache.tier.index import DictTierIO, KVTier
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
 POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier", "eager-16+tier",
             "eager-512+tier")
-TIER = "lazy+tier"  # lazy with a second tier (engine/kvcache/tier.py) that holds every page of the trace
+# lazy with a second tier (engine/kvcache/tier/index.py) that holds every page of the trace
+TIER = "lazy+tier"
 TIER_SUFFIX = "+tier"  # any policy with a second tier
 KEEP_EVERYTHING = "keep-everything"
 WINDOWS = ("4", "8", "16", "roomy")

@@ -22,21 +22,21 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_copies import HostCopies
-from swaserve.engine.attention.kv_host import STAGING_BYTES, HostTierIO
-from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
-from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported
 from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
-from swaserve.engine.kvcache.tier import KVTier
+from swaserve.engine.kvcache.tier.copies import HostCopies
+from swaserve.engine.kvcache.tier.file import MmapTierIO, file_identity, fingerprint
+from swaserve.engine.kvcache.tier.host import STAGING_BYTES, HostTierIO
+from swaserve.engine.kvcache.tier.index import KVTier
 from swaserve.engine.model_api import ModelBundle
-from swaserve.engine.model_runner import ModelRunner
-from swaserve.engine.peak_step import measure_graph_memory, reserve_peak_step
+from swaserve.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
+from swaserve.engine.runner.model_runner import ModelRunner
+from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
-from swaserve.engine.template_sandbox import RenderLimits
-from swaserve.engine.tokenizer import Tokenizer
+from swaserve.engine.text.chat_template import ChatTemplate
+from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("swaserve.engine")
 

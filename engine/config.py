@@ -119,7 +119,7 @@ class CacheConfig:
         "lazy", "--swa-retain-policy",
         help="lazy: evict SWA only under pressure; eager: trim at finish like the seed engine")
     # the second KV tier: pages evicted from the arena go to a memory-mapped file in this directory and come
-    # back on a prefix hit instead of being recomputed (engine/kvcache/tier.py); None = no tier
+    # back on a prefix hit instead of being recomputed (engine/kvcache/tier/index.py); None = no tier
     kv_offload_dir: str | None = option(
         None, "--kv-offload-dir",
         help="directory for the second KV tier: evicted prefix pages are written to a memory-mapped file "
@@ -173,7 +173,7 @@ class EngineConfig:
     # the stored rows; exact for the other types or when a kernel cannot be built), "exact" (dequantize +
     # fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
     # bf16 activations always take the int4 kernel. The model and the MoE backend get it at
-    # construction (models/registry.py) and pass it to each linear.
+    # construction (models/architectures.py) and pass it to each linear.
     cpu_matmul: CpuMatmul = option(
         "native", "--cpu-matmul",
         help="CPU quantized linears of fp32 activations: native (default: integer kernels with 8-bit "
@@ -182,8 +182,8 @@ class EngineConfig:
     no_cuda_graphs: bool = option(
         False, "--no-cuda-graphs",
         help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "
-             "bucket (engine/cuda_graphs.py; graphs are on by default with the triton backends)")
-    # one chat-template render's budget (engine/template_sandbox.py RenderLimits); None = the sandbox's
+             "bucket (engine/runner/cuda_graphs.py; graphs are on by default with the triton backends)")
+    # one chat-template render's budget (engine/text/template_sandbox.py RenderLimits); None = the sandbox's
     # defaults (RENDER_TIME_LIMIT_S = 10 s, RENDER_MAX_CHARS = 16 Mi), read when each render starts
     chat_template_timeout: float | None = option(
         None, "--chat-template-timeout", min=0, min_exclusive=True,

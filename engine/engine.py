@@ -1,9 +1,9 @@
 """The synchronous engine core: requests in (`add_request`), one scheduler step at a time (`step`),
 `RequestOutput`s out. Text is produced here (incremental detokenization, stop strings held back until
-decided and cut from the output: engine/text_stream.py).
+decided and cut from the output: engine/text/text_stream.py).
 
 Single-threaded by contract: the offline API (`swaserve.llm.LLM`) calls it directly, the server
-drives it through the asynchronous front (engine/async_engine.py), which owns the thread it runs on.
+drives it through the asynchronous front (engine/client/in_process.py), which owns the thread it runs on.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import EngineClosed, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.engine.grammar import GrammarBackend
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
-from swaserve.engine.template_sandbox import RenderLimits
-from swaserve.engine.text_stream import TextStream
+from swaserve.engine.text.grammar import GrammarBackend
+from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.engine.text.text_stream import TextStream
 
 log = logging.getLogger("swaserve.engine")
 

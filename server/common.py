@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError, RequestOutput, TokenLogprob
 from swaserve.server.errors import APIError, from_exception, sse_error
-from swaserve.server.offload import run_cpu
+from swaserve.server.off_loop import run_cpu
 from swaserve.server.streaming import SSE_DONE, ClientDisconnected, OutputStream, SSEResponse, sse
 
 if TYPE_CHECKING:

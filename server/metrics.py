@@ -117,7 +117,7 @@ class _EngineCollector(Collector):
             usage.add_metric([model, "used"], float(tier["bytes"]))
             usage.add_metric([model, "capacity"], float(tier["capacity_bytes"]))
             yield usage
-            if "host_hits" in tier:  # its host level and background thread (engine/attention/kv_host.py)
+            if "host_hits" in tier:  # its host level and background thread (engine/kvcache/tier/host.py)
                 yield from _tier_levels(tier, model)
 
 

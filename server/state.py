@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swaserve.server.errors import APIError
-from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.metrics import Metrics
 from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 
 if TYPE_CHECKING:
-    from swaserve.engine.async_engine import AsyncEngine
-    from swaserve.engine.chat_template import ChatTemplate
-    from swaserve.engine.engine_process import EngineClient
+    from swaserve.engine.client.in_process import AsyncEngine
+    from swaserve.engine.client.process import EngineClient
+    from swaserve.engine.text.chat_template import ChatTemplate
 
     # what the routes drive: the engine on a thread of this process, or in its own process
     ServedEngine = AsyncEngine | EngineClient
@@ -41,7 +41,7 @@ class ServerConfig:
     max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
     disable_docs: bool = False  # no /openapi.json
-    ui: bool = False  # --ui: the inspector page at GET / (server/routes_ui.py)
+    ui: bool = False  # --ui: the inspector page at GET / (server/ui/route.py)
 
 
 _frozen = False
@@ -75,7 +75,7 @@ class ServerState:
         self._template: ChatTemplate | None = None
         self._thread: threading.Thread | None = None
         self.owns_engine = engine is None
-        self.draining = False  # set once by start_draining(); read by server/worker_api.py's gate
+        self.draining = False  # set once by start_draining(); read by server/fleet/replica_api.py's gate
         if engine is not None:
             engine.log_requests = False  # the server writes the one INFO line per request
 
@@ -128,7 +128,7 @@ class ServerState:
 
     def shutdown(self) -> None:
         if self.owns_engine:  # `swaserve serve`: this process ends with its app
-            from swaserve.server.offload import stop_processes
+            from swaserve.server.off_loop import stop_processes
 
             stop_processes()
             if self.engine is not None:
@@ -166,7 +166,7 @@ class ServerState:
     def _template_of(self, engine: ServedEngine) -> ChatTemplate:
         if self.cfg.chat_template is not None:
             if self._template is None:
-                from swaserve.engine.chat_template import ChatTemplate
+                from swaserve.engine.text.chat_template import ChatTemplate
 
                 self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
                                               name="the --chat-template template",

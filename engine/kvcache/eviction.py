@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 
 from swaserve.engine.kvcache.allocator import PagePool
-from swaserve.engine.kvcache.demotion import DemotionMixin
 from swaserve.engine.kvcache.node import Anchor, Node, page_key, path_ranges
+from swaserve.engine.kvcache.tier.demotion import DemotionMixin
 
 MAX_LOST_KEYS = 8  # remembered evicted continuations per node end
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from swaserve.engine.kvcache.node import Node, page_key, path_ranges
-from swaserve.engine.kvcache.tier import ROOT_KEY, chain_keys
+from swaserve.engine.kvcache.tier.index import ROOT_KEY, chain_keys
 
 
 def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None:

@@ -61,7 +61,7 @@ class Node(CacheHandle):
         # first-page keys of children evicted from this node's end (a few): a new child with another
         # key is a divergence even when the old continuation is gone
         self.lost_keys: set[tuple[int, ...]] = set()
-        # [n] the pages' radix-path keys (engine/kvcache/tier.py's hash chain) when the cache has a tier
+        # [n] the pages' radix-path keys (engine/kvcache/tier/index.py's hash chain) when the cache has a tier
         self.keys: list[bytes] = []
         # [n] 1 where an anchor has ever protected the page (a window a request can resume at; with a tier,
         # such a page is written when evicted even after its anchor is gone; demotion.py)

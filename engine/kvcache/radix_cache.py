@@ -21,7 +21,7 @@ from swaserve.engine.kvcache.eviction import EvictionMixin
 from swaserve.engine.kvcache.integrity import check_cache
 from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_ranges
 from swaserve.engine.kvcache.retention import RetentionMixin
-from swaserve.engine.kvcache.tier import ROOT_KEY, KVTier, chain_keys
+from swaserve.engine.kvcache.tier.index import ROOT_KEY, KVTier, chain_keys
 
 
 class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from swaserve.engine.core import Req
 from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
-from swaserve.engine.kvcache.tier import KVTier
-from swaserve.engine.scheduler.promote import prefetch, promote
+from swaserve.engine.kvcache.tier.index import KVTier
+from swaserve.engine.kvcache.tier.promotion import prefetch, promote
 
 
 def _cdiv(a: int, b: int) -> int:

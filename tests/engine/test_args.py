@@ -92,7 +92,7 @@ def test_backend_registries() -> None:
 
 
 def test_cpu_matmul_reaches_the_model_and_moe() -> None:
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     bundle = load_model(engine_config_from_kwargs(None, device="cpu", cpu_matmul="fast"), progress=False)
     assert bundle.model.cpu_matmul == "fast" and bundle.model.moe.cpu_matmul == "fast"
@@ -101,7 +101,7 @@ def test_cpu_matmul_reaches_the_model_and_moe() -> None:
 
 def test_native_path_picks_the_native_attention_and_glue() -> None:
     from swaserve.engine.quant import native
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")

@@ -13,9 +13,9 @@ import torch
 
 from swaserve.engine.fused import moe_kernels
 from swaserve.engine.fused.ops import device_kernels
-from swaserve.engine.model_runner import build_metadata
 from swaserve.engine.moe.triton_backend import moe_align
-from swaserve.engine.peak_step import peak_batch
+from swaserve.engine.runner.model_runner import build_metadata
+from swaserve.engine.runner.peak_step import peak_batch
 from swaserve.llm import LLM
 
 

@@ -1,7 +1,7 @@
 """Logprob and echo text is detokenized off the event loop (issue 14 item 2): a tokenizer whose decode and
 token_bytes record where they run sees no call on a thread running an event loop while completions and
 chat requests with logprobs (top alternatives included) and echo are served, streamed and not; the calls
-that name the top alternatives happen on the worker pool (server/offload.py)."""
+that name the top alternatives happen on the worker pool (server/off_loop.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from swaserve.engine.args import engine_config_from_args
-from swaserve.engine.engine_process import EngineClient
+from swaserve.engine.client.process import EngineClient
 from swaserve.server.app import build_app
 from swaserve.server.launch import build_engine_core, server_config_from_args
 from tests.reliability.conftest import serve_args

@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.text.chat_template import ChatTemplate
+from swaserve.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 
 
 class FakeEngine:
