@@ -21,6 +21,10 @@ def _folder(mod: str) -> str:
     return ("/".join(parts[:-1]) + "/") if len(parts) > 1 else parts[0] + ".py"
 
 
+def _is_module(package: Path, name: str) -> bool:
+    return (package / f"{name}.py").exists() or (package / name).is_dir()
+
+
 def main() -> int:
     files = [ROOT / f for f in ("cli.py", "llm.py")] + [f for p in PACKAGES for f in (ROOT / p).rglob("*.py")]
     edges: dict[str, set[str]] = defaultdict(set)
@@ -33,8 +37,8 @@ def main() -> int:
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 base = ROOT.joinpath(*node.module.split(".")[1:])
-                is_mod = lambda name: (base / f"{name}.py").exists() or (base / name).is_dir()
-                mods = [f"{node.module}.{a.name}" if is_mod(a.name) else node.module for a in node.names]
+                mods = [f"{node.module}.{a.name}" if _is_module(base, a.name) else node.module
+                        for a in node.names]
             for m in mods:
                 if m.startswith("swaserve."):
                     dst = _folder(m)
