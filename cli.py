@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     from swaserve.bench.speed import add_speed_args
 
     add_speed_args(bsub.add_parser("speed", help="CPU engine speed, beside llama.cpp with --peer"))
+    from swaserve.bench import cache_sim
+
+    cache_sim.add_cache_args(bsub.add_parser(
+        "cache", help="prefix-cache reuse: workloads x SWA pool sizes x retention policies (no model)",
+        description=cache_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return p
 
 
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             from swaserve.bench.speed import run_speed
 
             return run_speed(args)
+        if args.command == "bench" and args.bench_command == "cache":
+            from swaserve.bench.cache_sim import run_cache
+
+            return run_cache(args)
         if args.command == "bench":
             from swaserve.bench.serve_bench import run_bench
 

@@ -24,7 +24,7 @@ import torch
 
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
+from swaserve.engine.kvcache import PREFIX_CACHES, Arena, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier.copies import HostCopies
 from swaserve.engine.kvcache.tier.file import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.kvcache.tier.host import STAGING_BYTES, HostTierIO
@@ -151,11 +151,8 @@ class EngineParts:
 
 def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
                 swa_alloc: PagePool) -> PrefixCache:
-    """The prefix cache `--cache-type` names."""
-    if cache_cfg.cache_type == "naive":
-        return NaiveCache(cache_cfg.page_size, full_alloc, swa_alloc)
-    return SWARadixCache(cache_cfg.page_size, window, full_alloc, swa_alloc,
-                         swa_retain_tokens=cache_cfg.swa_retain_budget, policy=cache_cfg.swa_retain_policy)
+    """The prefix cache `--cache-type` names (PREFIX_CACHES); ValueError for an unknown name."""
+    return PREFIX_CACHES.load(cache_cfg.cache_type).create(cache_cfg, window, full_alloc, swa_alloc)
 
 
 HOST_GB_CUDA = 4.0  # the default host level on CUDA (--kv-offload-host-gb)

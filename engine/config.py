@@ -3,7 +3,7 @@
 Each engine setting is declared once, here: its default, and (in the field's metadata, see
 `option`) the flag that sets it, the flag's help and its bounds. engine/args.py builds the argparse
 flags and both config builders from these declarations; choices come from the `Literal` type or,
-for backends, from their registry.
+for backends and the prefix cache, from their registry.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def option(default: Any = MISSING, flag: str | None = None, *, help: str | None 
     """A config field and the command-line flag that sets it: `flag` (its words, joined by `_`, name
     the argparse attribute), `help`, numeric bounds checked when the flag is parsed (`min` <= v, or
     `min` < v with min_exclusive; v <= `max`). Choices are the field's Literal values, or for
-    `backends="attention" | "moe"` the names registered in that backend family (engine/args.py reads
+    `backends="attention" | "moe" | "cache"` the names registered in that family (engine/args.py reads
     the registry, so this module imports no backend package)."""
     meta = {"flag": flag, "help": help, "min": min, "max": max, "min_exclusive": min_exclusive,
             "backends": backends}
@@ -85,8 +85,9 @@ def option(default: Any = MISSING, flag: str | None = None, *, help: str | None 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    cache_type: Literal["radix", "naive"] = option(
-        "radix", "--cache-type", help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
+    cache_type: str = option(
+        "radix", "--cache-type", backends="cache",
+        help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
     page_size: int = option(16, "--page-size", min=1)
     kv_cache_dtype: KVDtype = option("auto", "--kv-cache-dtype")
     # total budget for both pools; None = backend default

@@ -327,8 +327,8 @@ class Engine:
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "prefix_cache_hit_tokens_by_tier": {
-                "memory": sched.prefix_hit_tokens - sched.prefix_offload_hit_tokens,
-                "offload": sched.prefix_offload_hit_tokens},
+                "memory": sched.prefix_hit_tokens - sched.prefix_tier_hit_tokens,
+                "offload": sched.prefix_tier_hit_tokens},
             "kv_tier": self.tier.stats() if self.tier is not None else None,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,

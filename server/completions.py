@@ -10,21 +10,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from swaserve.engine.core import RequestOutput
-from swaserve.server.common import (
-    RequestTracker,
-    RouteCtx,
-    TokenText,
-    completion_logprobs,
-    tracked,
-    usage_dict,
-)
+from swaserve.server.body import json_body
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields
-from swaserve.server.off_loop import json_body, run_cpu
+from swaserve.server.logprobs import TokenText, completion_logprobs
+from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import CompletionRequest
+from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream
+from swaserve.server.tracking import RequestTracker, tracked
+from swaserve.server.usage import usage_dict
 
 router = APIRouter()
 

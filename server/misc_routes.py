@@ -8,11 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.text.tokenizer import Tokenizer
+from swaserve.server.body import json_body
 from swaserve.server.chat import prompt as chat_prompt
 from swaserve.server.chat import worker as chat_worker
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.metrics import CONTENT_TYPE
-from swaserve.server.off_loop import json_body, run_cpu
+from swaserve.server.off_loop import run_cpu
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 

@@ -1,8 +1,8 @@
 """CPU work of a request off the event loop.
 
-* run_cpu: a bounded pool of worker threads for short work (parsing and validating ordinary bodies, the
-  unknown-field walk, tokenizing completions prompts). They share the GIL with the HTTP loop, which the
-  interpreter hands it every millisecond (sys.getswitchinterval).
+* run_cpu: a bounded pool of worker threads for short work (parsing and validating ordinary bodies,
+  server/body.py; the unknown-field walk; tokenizing completions prompts). They share the GIL with the
+  HTTP loop, which the interpreter hands it every millisecond (sys.getswitchinterval).
 * run_proc: a small pool of worker processes for work that is long or that a client controls: chat
   template rendering and tokenization (a template may loop until its render budget), and everything
   about a large chat body (server/chat/worker.py). A busy thread in the server's process, even one that
@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
-
-from swaserve.server.errors import APIError
-from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError, validate_sliced
-
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 
 WORKERS = max(2, min(8, os.cpu_count() or 2))
 PROCESS_WORKERS = 2  # concurrent renders; more requests queue here
@@ -133,61 +123,3 @@ def stop_processes() -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         p.terminate()
-
-
-def _validate(model: type[M], raw: bytes) -> M:
-    if len(raw) >= SLICED_BODY_BYTES:
-        sliced = validate_sliced(model, raw)
-        if sliced is not None:
-            return sliced
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        # pydantic's JSON parser refuses a lone surrogate escape as malformed JSON; Python's json accepts
-        # it, so the model's own check (server/protocol.py) can name the field that holds it
-        errors = e.errors(include_url=False)
-        escape = any(err.get("type") == "json_invalid"
-                     and "escape" in str((err.get("ctx") or {}).get("error")) for err in errors)
-        if not escape:
-            raise
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise e from None
-    return model.model_validate(data)
-
-
-async def read_body(request: Request) -> bytes:
-    try:
-        return await request.body()
-    except ClientDisconnect:  # gone, or cut by the body limit (its 413 is already sent)
-        raise APIError(400, "the client went away before sending the whole body", None,
-                       "client_disconnected") from None
-
-
-def invalid_body(errors: list[dict[str, Any]], raw: bytes) -> RequestValidationError:
-    """pydantic's errors for the body -> the RequestValidationError a body parameter raises (a 400)."""
-    errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in errors]
-    if not raw.strip():
-        errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-    return RequestValidationError(errors)
-
-
-async def validate_off_loop(model: type[M], raw: bytes) -> M:
-    try:
-        return await run_cpu(_validate, model, raw)
-    except (ValidationError, SlicedValidationError) as e:
-        raise invalid_body(e.errors(include_url=False), raw) from None
-
-
-def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
-    """A FastAPI dependency: the request body parsed and validated as `model` on a worker thread
-    (pydantic's model_validate_json: JSON and validation in one pass), not on the event loop as a body
-    parameter would be (20,000 chat messages: tens to hundreds of milliseconds). Errors are the
-    RequestValidationError a body parameter raises, so they become the same 400s."""
-
-    async def parse(request: Request) -> M:
-        return await validate_off_loop(model, await read_body(request))
-
-    parse.model = model  # type: ignore[attr-defined]  # server/http/openapi_doc.py documents the body
-    return parse

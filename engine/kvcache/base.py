@@ -20,7 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swaserve.engine.config import CacheConfig
+    from swaserve.engine.kvcache.allocator import PagePool
 
 
 class CacheHandle:
@@ -48,6 +52,13 @@ class InsertResult:
 
 class PrefixCache(ABC):
     """A paged prefix cache over the full-attention and SWA page pools."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
+               swa_alloc: PagePool) -> PrefixCache:
+        """Build from the engine's cache settings (`--cache-type` names the class: PREFIX_CACHES in
+        engine/kvcache/__init__.py); each cache takes the settings it uses."""
 
     @property
     @abstractmethod

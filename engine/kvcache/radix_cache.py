@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
@@ -23,10 +23,19 @@ from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_rang
 from swaserve.engine.kvcache.retention import RetentionMixin
 from swaserve.engine.kvcache.tier.index import ROOT_KEY, KVTier, chain_keys
 
+if TYPE_CHECKING:
+    from swaserve.engine.config import CacheConfig
+
 
 class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
     """Radix tree at page granularity; each page holds a full page id and an SWA page id or None.
     The caller protocol is in engine/kvcache/base.py."""
+
+    @classmethod
+    def create(cls, cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
+               swa_alloc: PagePool) -> SWARadixCache:
+        return cls(cache_cfg.page_size, window, full_alloc, swa_alloc,
+                   swa_retain_tokens=cache_cfg.swa_retain_budget, policy=cache_cfg.swa_retain_policy)
 
     def __init__(self, page_size: int, window: int, full_alloc: PagePool, swa_alloc: PagePool,
                  swa_retain_tokens: int = 512, policy: str = "lazy", anchors: bool = True):

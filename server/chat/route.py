@@ -12,14 +12,17 @@ from swaserve.engine.core import RequestOutput
 from swaserve.server.chat.choice import ChatChoice
 from swaserve.server.chat.reasoning import ChatOutputParser
 from swaserve.server.chat.worker import ChatBody, chat_body
-from swaserve.server.common import RequestTracker, RouteCtx, TokenText, chat_logprobs, tracked, usage_dict
 from swaserve.server.errors import bad_request
 from swaserve.server.leniency import check_fields, report_fields
+from swaserve.server.logprobs import TokenText, chat_logprobs
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
+from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream
+from swaserve.server.tracking import RequestTracker, tracked
+from swaserve.server.usage import usage_dict
 
 router = APIRouter()
 

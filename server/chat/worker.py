@@ -25,21 +25,12 @@ from starlette.requests import Request
 from swaserve.engine.core import GrammarSpec
 from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate
 from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
 from swaserve.server.chat import prompt as chat_prompt
 from swaserve.server.chat.structured import grammar_for, json_format
 from swaserve.server.errors import APIError
 from swaserve.server.leniency import scan_fields
-from swaserve.server.off_loop import (
-    PROCESS_WORKERS,
-    _validate,
-    invalid_body,
-    read_body,
-    run_cpu,
-    run_proc,
-    start_processes,
-    submit_proc,
-    validate_off_loop,
-)
+from swaserve.server.off_loop import PROCESS_WORKERS, run_cpu, run_proc, start_processes, submit_proc
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError
 
@@ -120,7 +111,7 @@ def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, in
         if template is None:
             return NEED_SETUP
     try:
-        req = _validate(ChatCompletionRequest, raw)
+        req = validate_json(ChatCompletionRequest, raw)
     except (ValidationError, SlicedValidationError) as e:
         return ("invalid", e.errors(include_url=False))
     fields = scan_fields(req)

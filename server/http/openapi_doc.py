@@ -66,7 +66,7 @@ def install_openapi(app: FastAPI, admin_paths: tuple[str, ...]) -> None:
 
 
 def _document_bodies(app: FastAPI, doc: dict[str, Any], schemas: dict[str, Any]) -> None:
-    """Request bodies parsed off the event loop (server/off_loop.py json_body) are dependencies, which
+    """Request bodies parsed off the event loop (server/body.py json_body) are dependencies, which
     FastAPI does not document: add each route's model as its requestBody."""
     for route in app.routes:
         dependant = getattr(route, "dependant", None)

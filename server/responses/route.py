@@ -20,13 +20,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.core import RequestError
+from swaserve.server.body import json_body
 from swaserve.server.chat.choice import ChatChoice
 from swaserve.server.chat.reasoning import ChatOutputParser, ParsedDelta
 from swaserve.server.chat.worker import ChatPlan, plan_chat
-from swaserve.server.common import RequestTracker, tracked
 from swaserve.server.errors import APIError, bad_request, from_exception
 from swaserve.server.leniency import check_fields
-from swaserve.server.off_loop import json_body, run_cpu
+from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.responses.input import (
@@ -39,6 +39,7 @@ from swaserve.server.responses.input import (
 )
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream, SSEResponse
+from swaserve.server.tracking import RequestTracker, tracked
 
 router = APIRouter()
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from swaserve.server import common
+from swaserve.server import logprobs
 
 
 def _on_loop() -> bool:
@@ -40,7 +40,7 @@ def recorded(rel_engine: Any, monkeypatch: Any) -> list[tuple[str, bool, tuple[i
 
     monkeypatch.setattr(tok, "decode", rec_decode)
     monkeypatch.setattr(tok, "token_bytes", rec_token_bytes)
-    monkeypatch.setattr(common, "_TOKEN_TEXTS", type(common._TOKEN_TEXTS)())  # nothing memoised yet
+    monkeypatch.setattr(logprobs, "_TOKEN_TEXTS", type(logprobs._TOKEN_TEXTS)())  # nothing memoised yet
     return calls
 
 

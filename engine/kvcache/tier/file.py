@@ -89,7 +89,7 @@ class MmapTierIO:
 
     def __init__(self, directory: str | os.PathLike, pool: ArenaKVPool, num_blocks: int, fp: bytes):
         if num_blocks < 1:
-            raise ValueError("the KV offload tier must hold at least one block")
+            raise ValueError("the second KV tier must hold at least one block")
         assert len(fp) == 16
         self.pool, self.fp, self.num_blocks = pool, fp, num_blocks
         k = pool.full_per_block
