@@ -34,7 +34,7 @@ from swaserve.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
 from swaserve.engine.runner.model_runner import ModelRunner
 from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
-from swaserve.engine.text.chat_template import ChatTemplate
+from swaserve.engine.text.chat_template import ChatTemplate, model_chat_template
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.engine.text.tokenizer import Tokenizer
 
@@ -194,9 +194,8 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     model_cfg, cache_cfg, sched_cfg = bundle.config, cfg.cache, cfg.scheduler
     device = bundle.device
     tokenizer = Tokenizer.from_metadata(bundle.metadata)
-    template_source = bundle.metadata.get("tokenizer.chat_template")
-    limits = RenderLimits.of(cfg)  # --chat-template-timeout / --chat-template-max-chars
-    chat_template = ChatTemplate(template_source, tokenizer, limits=limits) if template_source else None
+    # --chat-template-timeout / --chat-template-max-chars
+    chat_template = model_chat_template(bundle.metadata, tokenizer, RenderLimits.of(cfg))
     context = sched_cfg.context_length or model_cfg.context_length
     graphs_on = not cfg.no_cuda_graphs and graphs_supported(bundle.model)
     graph_hold = None

@@ -3,7 +3,7 @@
 decided and cut from the output: engine/text/text_stream.py).
 
 Single-threaded by contract: the offline API (`swaserve.llm.LLM`) calls it directly, the server
-drives it through the asynchronous front (engine/client/in_process.py), which owns the thread it runs on.
+drives it through an engine front (engine/client/), whose engine loop (loop.py) owns the thread it runs on.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text.grammar import GrammarBackend
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.engine.text.text_stream import TextStream
+from swaserve.engine.validation import RequestLimits, validate_request
 
 log = logging.getLogger("swaserve.engine")
 
@@ -66,6 +67,8 @@ class Engine:
         self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
         self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
+        self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.model_config.vocab_size,
+                                            self.context_length)
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc
@@ -101,14 +104,10 @@ class Engine:
     # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                       anchors: Sequence[int] = ()) -> list[Req]:
-        """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input,
-        EngineClosed after close()."""
+        """Validate (engine/validation.py) and build the Reqs of one request (safe from any thread);
+        RequestError on bad input, EngineClosed after close()."""
         self._check_open()
-        params.validate(self.tokenizer.vocab_size)
-        if params.grammar is not None:
-            self.grammar.check(params.grammar)  # compiles (ms; cached by spec); RequestError if invalid
-        if any(not 0 <= int(t) < self.model_config.vocab_size for t in prompt_ids):
-            raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
+        validate_request(prompt_ids, params, self.request_limits, self.grammar.check)
         seed = (self.config.seed * 1_000_003 + next(self._seed_counter)) & 0x7FFF_FFFF_FFFF_FFFF
         reqs = make_reqs(request_id, [int(t) for t in prompt_ids], params, context_length=self.context_length,
                          eos_ids=self.eos_ids, seed=seed, anchors=anchors,

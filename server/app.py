@@ -1,7 +1,8 @@
 """build_app(engine, ServerConfig) -> FastAPI.
 
-`engine` is a started AsyncEngine, or a zero-argument callable that builds one: then the app answers
-at once (/health is 503 "loading") and the engine loads in a background thread, started by the app's lifespan.
+`engine` is a started EngineClient (engine/client/base.py), or a zero-argument callable that builds one:
+then the app answers at once (/health is 503 "loading") and the engine loads in a background thread,
+started by the app's lifespan.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from swaserve.server.state import ServerConfig, ServerState
 from swaserve.server.ui.route import router as ui_router
 
 if TYPE_CHECKING:
-    from swaserve.engine.client.in_process import AsyncEngine
+    from swaserve.engine.client.base import EngineClient
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
 
@@ -56,9 +57,9 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
+def build_app(engine: EngineClient | Callable[[], EngineClient],
               cfg: ServerConfig | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (an AsyncEngine, or a loader callable run in a thread)."""
+    """The OpenAI-compatible app over `engine` (an EngineClient, or a loader callable run in a thread)."""
     cfg = cfg or ServerConfig()
     if callable(engine) and not hasattr(engine, "generate"):
         state = ServerState(cfg, None, loader=engine)

@@ -243,9 +243,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load():
         if args.engine_process:
-            from swaserve.engine.client.process import EngineClient
+            from swaserve.engine.client.process import EngineProcessClient
 
-            return EngineClient(build_engine_core, engine_cfg)
+            return EngineProcessClient(build_engine_core, engine_cfg)
         from swaserve.engine.client.in_process import AsyncEngine
 
         return AsyncEngine(build_engine_core(engine_cfg))

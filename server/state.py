@@ -16,12 +16,9 @@ from swaserve.server.metrics import Metrics
 from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 
 if TYPE_CHECKING:
-    from swaserve.engine.client.in_process import AsyncEngine
-    from swaserve.engine.client.process import EngineClient
-    from swaserve.engine.text.chat_template import ChatTemplate
-
     # what the routes drive: the engine on a thread of this process, or in its own process
-    ServedEngine = AsyncEngine | EngineClient
+    from swaserve.engine.client.base import EngineClient
+    from swaserve.engine.text.chat_template import ChatTemplate
 
 logger = logging.getLogger("swaserve.server")
 
@@ -62,10 +59,10 @@ def freeze_startup_heap() -> None:
 class ServerState:
     """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
 
-    def __init__(self, cfg: ServerConfig, engine: ServedEngine | None,
-                 loader: Callable[[], ServedEngine] | None = None):
+    def __init__(self, cfg: ServerConfig, engine: EngineClient | None,
+                 loader: Callable[[], EngineClient] | None = None):
         self.cfg = cfg
-        self.engine: ServedEngine | None = engine
+        self.engine: EngineClient | None = engine
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -132,13 +129,10 @@ class ServerState:
 
             stop_processes()
             if self.engine is not None:
-                self.engine.shutdown()
-                close = getattr(self.engine, "close", None)  # AsyncEngine: the core's KV tier sealed, joined
-                if close is not None:
-                    close()
+                self.engine.close()  # AsyncEngine: also the core's KV tier sealed, joined
 
     # --- accessors -----------------------------------------------------------------------------
-    def ready_engine(self) -> ServedEngine:
+    def ready_engine(self) -> EngineClient:
         if self.engine is not None:
             return self.engine
         if self.load_error is not None:
@@ -163,14 +157,13 @@ class ServerState:
         """--chat-template, else the GGUF's; 400 when there is neither."""
         return self._template_of(self.ready_engine())
 
-    def _template_of(self, engine: ServedEngine) -> ChatTemplate:
+    def _template_of(self, engine: EngineClient) -> ChatTemplate:
         if self.cfg.chat_template is not None:
             if self._template is None:
-                from swaserve.engine.text.chat_template import ChatTemplate
+                from swaserve.engine.text.chat_template import build_chat_template
 
-                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
-                                              name="the --chat-template template",
-                                              limits=getattr(engine, "render_limits", None))
+                self._template = build_chat_template(self.cfg.chat_template, engine.tokenizer,
+                                                     engine.render_limits, "the --chat-template template")
             return self._template
         if engine.chat_template is None:
             raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "
@@ -179,7 +172,7 @@ class ServerState:
 
     def sampling_defaults(self) -> dict[str, float]:
         """What a request that sets no sampling field gets (server/params.py)."""
-        gguf = dict(getattr(self.engine, "generation_defaults", None) or {})
+        gguf = dict(self.engine.generation_defaults) if self.engine is not None else {}
         return merge_defaults(gguf, dict(self.cfg.default_sampling))
 
     def stats(self) -> dict[str, Any] | None:

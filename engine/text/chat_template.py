@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import jinja2
 
@@ -40,6 +40,7 @@ class TemplateTokenizer(Protocol):
         ...
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MODEL_TEMPLATE = "the model's chat template (tokenizer.chat_template)"  # the default name, in errors
 
 
 @dataclass
@@ -157,7 +158,7 @@ class ChatTemplate:
     """A compiled chat template bound to a tokenizer."""
 
     def __init__(self, template_source: str, tokenizer: TemplateTokenizer,
-                 name: str = "the model's chat template (tokenizer.chat_template)",
+                 name: str = MODEL_TEMPLATE,
                  limits: RenderLimits | None = None) -> None:
         if not isinstance(template_source, str) or not template_source.strip():
             raise ValueError("chat template is empty")
@@ -318,6 +319,32 @@ class ChatTemplate:
             c = max(cands) if cands else (len(bos) if bos and text.startswith(bos) else 0)
             out.append(max(c, out[-1]) if out else c)
         return out
+
+
+@overload
+def build_chat_template(source: str, tokenizer: TemplateTokenizer, limits: RenderLimits | None = ...,
+                        name: str = ...) -> ChatTemplate: ...
+
+
+@overload
+def build_chat_template(source: None, tokenizer: TemplateTokenizer, limits: RenderLimits | None = ...,
+                        name: str = ...) -> None: ...
+
+
+def build_chat_template(source: str | None, tokenizer: TemplateTokenizer, limits: RenderLimits | None = None,
+                        name: str = MODEL_TEMPLATE) -> ChatTemplate | None:
+    """The one way a ChatTemplate is made (the engine, the engine-process front, the server's
+    --chat-template, the chat workers): None for no source; ValueError when it is empty or does not
+    compile. `limits`: the render budget (None: the module defaults); `name`: in error messages."""
+    if source is None:
+        return None
+    return ChatTemplate(source, tokenizer, name=name, limits=limits)
+
+
+def model_chat_template(metadata: Mapping[str, Any], tokenizer: TemplateTokenizer,
+                        limits: RenderLimits | None = None) -> ChatTemplate | None:
+    """The GGUF's `tokenizer.chat_template` (None when it has none, or an empty one)."""
+    return build_chat_template(metadata.get("tokenizer.chat_template") or None, tokenizer, limits)
 
 
 _PROBE = {"role": "user", "content": "\x00swaserve-probe\x00"}

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from swaserve.engine.core import GrammarSpec
-from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate
+from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate, build_chat_template
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
 from swaserve.server.chat import prompt as chat_prompt
@@ -86,7 +86,7 @@ def _worker_template(key: int, setup: bytes | None, limits: tuple[float, int]) -
         return None
     else:
         source, name, tokenizer = pickle.loads(setup)
-        t = _templates[key] = ChatTemplate(source, tokenizer, name=name)
+        t = _templates[key] = build_chat_template(source, tokenizer, name=name)
         while len(_templates) > MAX_TEMPLATES:
             _templates.popitem(last=False)
     t.limits = RenderLimits(*limits)

@@ -44,10 +44,7 @@ async def cache_state(request: Request, top: int = 64) -> Response:
     engine = state.ready_engine()
     if not 1 <= top <= MAX_TOP:
         raise bad_request(f"top must be in [1, {MAX_TOP}], got {top}", "top")
-    walk = getattr(engine, "cache_state", None)
-    if walk is None:
-        raise APIError(501, "this engine has no cache inspector", None, "not_implemented")
-    out = await walk(top)
+    out = await engine.cache_state(top)
     tok = engine.tokenizer
     for node in out["nodes"]:
         node["preview"] = _preview(tok, node["preview_ids"])

@@ -1,5 +1,6 @@
-"""The engine in its own process (EngineClient): the same outputs as the in-process engine, errors before
-any output, aborts, flush, a failed load, and a dead engine that fails its streams instead of hanging."""
+"""The engine in its own process (EngineProcessClient): the same outputs as the in-process engine, errors
+before any output, aborts, flush, a failed load, and a dead engine that fails its streams instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from swaserve.engine.args import engine_config_from_kwargs
-from swaserve.engine.client.process import EngineClient, EngineDied
+from swaserve.engine.client.process import EngineDied, EngineProcessClient
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.llm import LLM
@@ -52,12 +53,12 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def client():
-    c = EngineClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
+    c = EngineProcessClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
     yield c
     c.shutdown()
 
 
-async def _collect(client: EngineClient, rid: str, ids: list[int], params: SamplingParams) -> list:
+async def _collect(client: EngineProcessClient, rid: str, ids: list[int], params: SamplingParams) -> list:
     return [out async for out in client.generate(rid, ids, params)]
 
 
@@ -128,12 +129,12 @@ def test_abort_frees_pages_and_flush(client):
 
 def test_a_failed_load_raises_its_error():
     with pytest.raises(ValueError, match="not a GGUF file"):
-        EngineClient(fail_to_load, engine_config_from_kwargs(None, **KW), start_timeout=600)
+        EngineProcessClient(fail_to_load, engine_config_from_kwargs(None, **KW), start_timeout=600)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_dead_engine_fails_streams_instead_of_hanging():
-    c = EngineClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
+    c = EngineProcessClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
     try:
         async def main():
             agen = c.generate("doomed", [2] + [13] * 50, greedy(2000))
@@ -190,7 +191,8 @@ def test_the_engine_process_closes_its_engine_at_shutdown(tmp_path, monkeypatch)
               max_running_requests=2,
               swa_tokens=256, cpu_matmul="exact")
     prompt = [2] + [(11 * j) % 900 + 3 for j in range(120)]
-    c = EngineClient(build_engine_marking_close, engine_config_from_kwargs(None, **kw), start_timeout=600)
+    c = EngineProcessClient(build_engine_marking_close, engine_config_from_kwargs(None, **kw),
+                            start_timeout=600)
     try:
         first = asyncio.run(_collect(c, "a", prompt, greedy(3)))
         for i in range(3):  # other prompts push the first one out of the arena: into the tier

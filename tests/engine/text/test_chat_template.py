@@ -10,7 +10,7 @@ from swaserve.engine.text.tokenizer import Tokenizer
 from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 
 # the official Gemma 4 chat template, vendored as test data
-OFFICIAL = Path(__file__).resolve().parents[1] / "data" / "gemma4-chat-template.jinja"
+OFFICIAL = Path(__file__).resolve().parents[2] / "data" / "gemma4-chat-template.jinja"
 
 TOOLS = [
     {
