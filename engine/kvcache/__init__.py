@@ -1,4 +1,5 @@
-"""Paged KV bookkeeping: page allocators and the prefix caches (pure Python, no torch)."""
+"""Paged KV bookkeeping: page allocators and the prefix caches (pure Python, no torch; the second tier's
+byte movers in tier/ excepted, see tier/__init__.py)."""
 
 from swaserve.engine.kvcache.allocator import PageAllocator, PagePool
 from swaserve.engine.kvcache.arena import Arena, ArenaPages
