@@ -75,7 +75,7 @@ class Engine:
         self.swa_alloc = parts.swa_alloc
         self.arena = parts.arena
         self.cache = parts.cache
-        self.tier = getattr(self.cache, "tier", None)  # the second KV tier (--kv-offload-dir)
+        self.tier = self.cache.tier  # the second KV tier (--kv-offload-dir; PrefixCache.tier)
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.grammar = GrammarBackend(self.tokenizer, self.eos_ids)  # compiles lazily, on first use

@@ -1,4 +1,5 @@
-"""Paged KV bookkeeping: page allocators and the prefix caches (pure Python, no torch).
+"""Paged KV bookkeeping: page allocators and the prefix caches (pure Python, no torch; the second tier's
+byte movers in tier/ excepted, see tier/__init__.py).
 
 `PREFIX_CACHES.choices` is what `--cache-type` accepts (no "auto"): radix (the SWA-aware prefix cache,
 engine/kvcache/radix_cache.py) and naive (no cross-request reuse, engine/kvcache/naive_cache.py).

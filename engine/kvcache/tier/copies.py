@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.kvcache.tier.file import _move
+from swaserve.engine.kvcache.tier.file import copy_record
 
 
 class HostCopies:
@@ -36,7 +36,7 @@ class HostCopies:
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """dst (host frame) <- src (pool page); the event the reader of dst waits for (None: done)."""
         if not self.cuda:
-            _move(dst, src)
+            copy_record(dst, src)
             return None
         cur = torch.cuda.current_stream(self.device)
         before = torch.cuda.Event()
@@ -52,7 +52,7 @@ class HostCopies:
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """dst (pool page) <- src (host frame) on the compute stream; the event after which src may change."""
         if not self.cuda:
-            _move(dst, src)
+            copy_record(dst, src)
             return None
         dst.copy_(src, non_blocking=True)
         ev = torch.cuda.Event()

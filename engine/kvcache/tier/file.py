@@ -1,9 +1,9 @@
 """The second KV tier's bytes: a memory-mapped file on local disk (`--kv-offload-dir`, `--kv-offload-gb`).
 
-engine/kvcache/tier/index.py keeps the index (pure Python); this module implements its TierIO over the KV
-arena
-(engine/attention/kv_pool.py's ArenaKVPool): a slot holds one page record of a kind, laid out as the arena
-lays out pages (a block: one SWA page or full_per_block full pages), so a page moves with one copy.
+engine/kvcache/tier/index.py keeps the index (pure Python); this module implements its TierIO over the
+KV arena (engine/attention/kv_pool.py's ArenaKVPool): a slot holds one page record of a kind, laid out as
+the arena lays out pages (a block: one SWA page or full_per_block full pages), so a page moves with one
+copy.
 
 File layout: a 4 KiB file header (magic, format version, fingerprint, geometry), then one 64-byte record
 header per slot (full slots, then SWA slots), then the payload blocks (4 KiB aligned). A record header
@@ -68,7 +68,7 @@ def file_identity(path: str, sample: int = 1 << 20) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_record(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy one page record: a plain memcpy between host tensors (torch's parallel copy is many times slower
     on a busy machine), torch's copy to or from a device."""
     if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
@@ -131,7 +131,8 @@ class MmapTierIO:
         n = self.page_bytes[kind]
         return self.payload_off + slot * n, self.payload[slot * n:(slot + 1) * n]
 
-    def _page(self, kind: str, page: int) -> torch.Tensor:
+    def pool_page(self, kind: str, page: int) -> torch.Tensor:
+        """Page `page` of `kind` in the KV pool (on the pool's device), viewed as bytes."""
         return self.pool.page_tensor(kind)[page].view(torch.uint8)
 
     def _intact(self) -> bool:
@@ -156,7 +157,7 @@ class MmapTierIO:
         if not self._intact():
             return None
         off, dst = self._payload(kind, slot)
-        _move(dst, src)
+        copy_record(dst, src)
         return self._crc(off, self.page_bytes[kind])
 
     def seal(self, kind: str, slot: int, key: bytes, crc: int) -> None:
@@ -175,13 +176,13 @@ class MmapTierIO:
         if magic != REC_MAGIC or code != KIND_CODE[kind] or rfp != self.fp or n != self.page_bytes[kind]:
             return None
         _, src = self._payload(kind, slot)
-        _move(dst, src)
+        copy_record(dst, src)
         return rkey if host_crc(dst) == crc else None
 
     # ---- TierIO -----------------------------------------------------------------------------------
     def write(self, kind: str, page: int, slot: int, key: bytes) -> None:
         self.unseal(kind, slot)  # unsealed while the payload changes
-        crc = self.fill(kind, slot, self._page(kind, page))
+        crc = self.fill(kind, slot, self.pool_page(kind, page))
         if crc is not None:
             self.seal(kind, slot, key, crc)
 
@@ -195,7 +196,7 @@ class MmapTierIO:
         off, src = self._payload(kind, slot)
         if self._crc(off, n) != crc:
             return False
-        _move(self._page(kind, page), src)
+        copy_record(self.pool_page(kind, page), src)
         return True
 
     def prefetch(self, kind: str, slot: int) -> None:

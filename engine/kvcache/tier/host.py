@@ -1,8 +1,7 @@
 """The host-memory level of the second KV tier, in front of its file, and the moves that run off the step.
 
-engine/kvcache/tier/index.py keeps the index ((kind, key) -> slot of the file); `HostTierIO` is the
-TierIO between
-it and engine/kvcache/tier/file.py's MmapTierIO:
+engine/kvcache/tier/index.py keeps the index ((kind, key) -> slot of the file); `HostTierIO` is the TierIO
+between it and engine/kvcache/tier/file.py's MmapTierIO:
 
 - write (an eviction, inside the scheduler's step): the page's bytes go into a host frame (CPU: a memcpy;
   CUDA: a device-to-host copy on a side stream that waits for the kernels queued so far, and the compute
@@ -163,7 +162,7 @@ class HostTierIO(PinsMixin):
             self.disk.write(kind, page, slot, key)
             self.n["sync_writes"] += 1
         else:
-            f.ev = self.copies.to_host(self._view(kind, h), self.disk._page(kind, page))
+            f.ev = self.copies.to_host(self._view(kind, h), self.disk.pool_page(kind, page))
             with self.cond:
                 f.state = "dirty"
                 self.dirty[k] = f
@@ -190,7 +189,7 @@ class HostTierIO(PinsMixin):
             if f is not None:
                 if f.key != key:
                     return False  # the slot holds another record
-                ev = self.copies.to_device(self.disk._page(kind, page), self._view(kind, f.hslot))
+                ev = self.copies.to_device(self.disk.pool_page(kind, page), self._view(kind, f.hslot))
                 if ev is not None:
                     self.block_busy[self._block(kind, f.hslot)] = ev
                 for q in (self.clean, self.dirty):

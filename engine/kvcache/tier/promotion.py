@@ -1,41 +1,43 @@
 """Promotion from the second KV tier (engine/kvcache/tier/index.py) at admission (pure Python).
 
-Before a request's cache.match, KVManager.admit asks `promote`: what reuse point could the prompt reach if
-the pages the tree lacks came from the tier? Full KV is needed for every page before the point, SWA KV for
-the window before it (the reuse rule of engine/kvcache/radix_cache.py). If the point is deeper than the
-tree alone gives, fresh pool pages are allocated (evicting, which may itself write pages to the tier), the
-tier's records are verified and copied into them, and they are inserted into the tree, so the ordinary
-match finds them. Any failure (no memory, a record dropped or rejected meanwhile) undoes the promotion:
-nothing unverified is ever inserted. `prefetch`, called when the request enters the queue, lets a tier with a
-host level (engine/kvcache/tier/host.py) read those records in the background meanwhile, pinned there for the
-request until KVManager unpins them (admission, abort) or they expire (engine/kvcache/tier/index.py).
+Before a request's cache.match, KVManager.admit calls `promote`: what reuse point could the prompt reach
+if the pages the tree lacks came from the tier? Full KV is needed for every page before the point, SWA KV
+for the window before it (the reuse rule of engine/kvcache/radix_cache.py). If the point is deeper than
+the tree alone gives, fresh pool pages are allocated (KVManager.alloc_pages: evicting, which may itself
+write pages to the tier), the tier's records are verified and copied into them, and they are inserted
+into the tree, so the ordinary match finds them. Any failure (no memory, a record dropped or rejected
+meanwhile) undoes the promotion: nothing unverified is ever inserted. `prefetch`, called when the request
+enters the queue, lets a tier with a host level (engine/kvcache/tier/host.py) read those records in the
+background meanwhile, pinned there for the request until KVManager unpins them (admission, abort) or they
+expire (engine/kvcache/tier/index.py).
+
+The cache is read only through the PrefixCache contract (engine/kvcache/base.py): its `tier` and its
+tier walk (window_start, probe, reuse_end, pin_prefix), insert and unlock; pool pages come from the
+callables the caller passes (KVManager.alloc_pages / free_pages).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from swaserve.engine.kvcache import PagePool, PrefixCache, SWARadixCache
+from swaserve.engine.kvcache.base import PrefixCache
 from swaserve.engine.kvcache.tier.index import ROOT_KEY, KVTier, chain_keys
 
-
-class KVManager(Protocol):
-    """What promote() uses of engine/scheduler/kv_manager.py's KVManager."""
-
-    cache: PrefixCache
-    page_size: int
-    arena: Any
-    full_alloc: PagePool
-    swa_alloc: PagePool
-
-    @property
-    def tier(self) -> KVTier | None: ...
-
-    def _alloc(self, alloc: PagePool, n: int) -> list[int] | None: ...
+# (full pages, SWA pages) wanted -> (full ids, SWA ids), or None with nothing allocated
+PageAlloc = Callable[[int, int], tuple[list[int], list[int]] | None]
+# (full ids, SWA ids) -> None: the pages go back to their pools
+PageFree = Callable[[list[int], list[int]], None]
 
 
-def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, int, int, list[bytes]]:
+def _tier(cache: PrefixCache) -> KVTier:
+    tier = cache.tier
+    if tier is None:
+        raise ValueError("promotion from a cache without a second tier")
+    return tier
+
+
+def plan(cache: PrefixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, int, int, list[bytes]]:
     """(tree pages p, reuse end without the tier, reuse end with it, keys of pages [0, end with it))."""
     P = cache.page_size
     max_pages = (len(ids) - 1) // P if ids else 0
@@ -65,13 +67,12 @@ def plan(cache: SWARadixCache, tier: KVTier, ids: Sequence[int]) -> tuple[int, i
     return p, base, max(k, base), keys[:max(k, base)]
 
 
-def prefetch(kv: KVManager, ids: Sequence[int], owner: Any = None) -> int:
+def prefetch(cache: PrefixCache, ids: Sequence[int], owner: Any = None) -> int:
     """A request entered the queue: ask the tier to read, in the background, the records a promotion of
     `ids` would load now (into its host level, verified), so that the admission copies from host memory;
     with an owner (the request) they stay pinned there until KVTier.unpin(owner). Returns the reads queued
-    (0 without a host level). Changes nothing in the tree."""
-    cache, tier = kv.cache, kv.tier
-    assert isinstance(cache, SWARadixCache) and tier is not None
+    (0 without a host level). Changes nothing in the tree. The cache must have a tier."""
+    tier = _tier(cache)
     if not tier.can_fetch:
         return 0
     p, base, k, keys = plan(cache, tier, ids)
@@ -82,11 +83,11 @@ def prefetch(kv: KVManager, ids: Sequence[int], owner: Any = None) -> int:
     return tier.fetch("full", keys[p:k], owner) + tier.fetch("swa", loads, owner)
 
 
-def promote(kv: KVManager, ids: Sequence[int]) -> int:
-    """Bring the tier's pages for the prompt `ids` into the tree; returns the prompt tokens of reuse
-    gained."""
-    cache, tier, P = kv.cache, kv.tier, kv.page_size
-    assert isinstance(cache, SWARadixCache) and tier is not None
+def promote(cache: PrefixCache, ids: Sequence[int], alloc_pages: PageAlloc, free_pages: PageFree) -> int:
+    """Bring the tier's pages for the prompt `ids` into the tree, with pool pages from alloc_pages (given
+    back through free_pages on failure); returns the prompt tokens of reuse gained. The cache must have a
+    tier."""
+    tier, P = _tier(cache), cache.page_size
     p, base, k, keys = plan(cache, tier, ids)
     if k <= base:
         return 0
@@ -99,14 +100,10 @@ def promote(kv: KVManager, ids: Sequence[int]) -> int:
     try:
         full_now, swa_now, _ = cache.probe(ids, k)
         loads = [i for i in range(lo, k) if not (i < p and swa_now[i] is not None)]
-        kinds = [(kv.swa_alloc, len(loads)), (kv.full_alloc, max(0, k - p))]
-        if kv.arena is None:
-            kinds.reverse()
-        for alloc, n in kinds:
-            pages = kv._alloc(alloc, n)
-            if pages is None:
-                return 0
-            (got_swa if alloc is kv.swa_alloc else got_full).extend(pages)
+        got = alloc_pages(max(0, k - p), len(loads))
+        if got is None:
+            return 0
+        got_full, got_swa = got
         full_now, swa_now, _ = cache.probe(ids, k)
         assert len(full_now) >= min(k, p), "a pinned prefix lost full pages"
         assert loads == [i for i in range(lo, k) if not (i < p and swa_now[i] is not None)], \
@@ -132,9 +129,7 @@ def promote(kv: KVManager, ids: Sequence[int]) -> int:
         tier.promoted_tokens += (k - base) * P
         return (k - base) * P
     finally:
-        if got_full:
-            kv.full_alloc.free(got_full)
-        if got_swa:
-            kv.swa_alloc.free(got_swa)
+        if got_full or got_swa:
+            free_pages(got_full, got_swa)
         if pin is not None:
             cache.unlock(pin)

@@ -1,5 +1,5 @@
-"""Shared by the KV tier tests (test_kv_offload, test_kv_host, test_kv_pins): a tiny arena pool of random
-contents, its page size, and the CPU copies of the host level."""
+"""Shared by the KV tier tests (test_file, test_host, test_pins): a tiny arena pool of random contents, its
+page size, and the CPU copies of the host level."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """What evictions write to the second tier (engine/kvcache/tier/demotion.py): every full page, but only
-the SWA
-pages a later request can resume from (anchor windows, the window + slack before a leaf or branch point),
-not the front of a long prompt nor the window before a prefill chunk's end; pages the tier holds are not
-written again; the eager policy's finish-time trims are written too. Requests run through KVManager
-(promotion at admission); every page's "KV" is the token prefix it was computed for."""
+the SWA pages a later request can resume from (anchor windows, the window + slack before a leaf or branch
+point), not the front of a long prompt nor the window before a prefill chunk's end; pages the tier holds
+are not written again; the eager policy's finish-time trims are written too. Requests run through
+KVManager (promotion at admission: engine/kvcache/tier/promotion.py); every page's "KV" is the token
+prefix it was computed for."""
 
 from __future__ import annotations
 

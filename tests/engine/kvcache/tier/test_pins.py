@@ -1,8 +1,7 @@
 """Pins of the tier's host level (engine/kvcache/tier/pins.py, engine/kvcache/tier/index.py): a record
-read ahead
-for a waiting request stays in host memory through evictions that would otherwise push it out, until the
-request is admitted, aborted or its pins expire; pins never take more than half the host level. Deterministic:
-the background thread is stepped by hand (threaded=False)."""
+read ahead for a waiting request stays in host memory through evictions that would otherwise push it out,
+until the request is admitted, aborted or its pins expire; pins never take more than half the host level.
+Deterministic: the background thread is stepped by hand (threaded=False)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""engine/kvcache/tier/promotion.py's prefetch: when a request enters the queue, the tier is asked to
-read ahead
-exactly the records its admission then promotes (no more, none twice), and nothing in the tree changes."""
+"""engine/kvcache/tier/promotion.py's prefetch: when a request enters the queue, the tier is asked to read
+ahead exactly the records its admission then promotes (no more, none twice), and nothing in the tree
+changes."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class FetchingIO(DictTierIO):
 
 
 class PinningIO(FetchingIO):
-    """A host level that pins what it reads ahead (kv_pins.py's interface): pins[(kind, slot)] = owners."""
+    """A host level that pins what it reads ahead (engine/kvcache/tier/pins.py's interface):
+    pins[(kind, slot)] = owners."""
 
     def __init__(self, pages):
         super().__init__(pages)
