@@ -1,10 +1,10 @@
-"""What an eviction writes to the second tier (mixed into SWARadixCache; pure Python).
+"""What an eviction writes to the second tier: `Demoter`, a part of SWARadixCache (pure Python).
 
 A later request can resume from the tier at a point X only if it finds the full KV of [0, X) and the
-SWA KV of the window before X (the reuse rule of radix_cache.py). Full pages are therefore written
-whenever they leave the tree (every one of them is needed by every resume point after it), but an SWA
-page is useful only within one window before a point a later request can resume from. The points
-written for are the ones retention keeps in the tree (retention.py):
+SWA KV of the window before X (the reuse rule of engine/kvcache/radix/cache.py). Full pages are
+therefore written whenever they leave the tree (every one of them is needed by every resume point after
+it), but an SWA page is useful only within one window before a point a later request can resume from.
+The points written for are the ones retention keeps in the tree (engine/kvcache/radix/retention.py):
   * the anchors (message starts, prompt ends, finished-sequence ends, branch points), also after
     retention has given their windows up (Node.anchored remembers which pages an anchor protected), and
   * the node's end where a request can resume there: a radix branch point, or a leaf that ends a
@@ -17,29 +17,34 @@ range (the front of a long prompt, whose window no request can ever resume at) i
 written. Pages the tier already holds (promoted back earlier, or written by an earlier eviction of
 the same prefix) are not written again (KVTier.save only refreshes their recency).
 
-The eager policy's finish-time trims (eviction.py `_trim_head`) go through the same filter, so the
-tier serves eager caches as well.
+The eager policy's finish-time trims (engine/kvcache/radix/eviction.py `trim_head`) go through the same
+filter, so the tier serves eager caches as well.
 """
 
 from __future__ import annotations
 
-from swaserve.engine.kvcache.node import Node
+from swaserve.engine.kvcache.radix.node import Node
 from swaserve.engine.kvcache.tier.index import KVTier
 
 
-class DemotionMixin:
-    # provided by SWARadixCache
-    page_size: int
-    window: int
-    swa_retain_tokens: int
-    tier: KVTier | None
-    tier_saved_swa_pages: int  # SWA pages handed to the tier on eviction / trim
-    tier_skipped_swa_pages: int  # evicted SWA pages no resume point needs (not written)
+class Demoter:
+    """Which pages an eviction writes to the second tier (module docstring). The evictor hands it every SWA
+    page it frees (save_swa) and every node range it drops (protected_mask, then save_pages) before their
+    ids are freed. Reads those nodes (pages, keys, protect_counts, anchored, children, locks, lost keys);
+    changes nothing of the tree. Without a tier it does nothing."""
+
+    def __init__(self, page_size: int, window: int, retain_tokens: int):
+        self.page_size = page_size
+        self.window = window
+        self.retain_tokens = retain_tokens  # the cache's swa_retain_tokens (the divergence slack)
+        self.tier: KVTier | None = None  # the cache's tier (SWARadixCache.set_tier sets both)
+        self.saved_swa = 0  # SWA pages handed to the tier on eviction / trim
+        self.skipped_swa = 0  # evicted SWA pages no resume point needs (not written)
 
     def _tier_lo(self, end_page: int) -> int:
         """First page of the window + divergence slack before page boundary end_page (an anchor's lo)."""
         P = self.page_size
-        return max(0, end_page * P - self.window - self.swa_retain_tokens) // P
+        return max(0, end_page * P - self.window - self.retain_tokens) // P
 
     @staticmethod
     def _resumable_end(nd: Node) -> bool:
@@ -58,26 +63,26 @@ class DemotionMixin:
         return (protected or bool(nd.anchored[i])
                 or (nd.start_page + i >= self._tier_lo(nd.end_page) and self._resumable_end(nd)))
 
-    def _demote_swa(self, nd: Node, i: int, page: int, protected: bool) -> None:
+    def save_swa(self, nd: Node, i: int, page: int, protected: bool) -> None:
         """Write an evicted SWA page to the second tier (before its id is freed) if it is worth it."""
         if self.tier is None:
             return
         if self._swa_worth_saving(nd, i, protected):
             self.tier.save("swa", nd.keys[i], page)
-            self.tier_saved_swa_pages += 1
+            self.saved_swa += 1
         else:
-            self.tier_skipped_swa_pages += 1
+            self.skipped_swa += 1
 
-    def _demote_mask(self, nd: Node, a: int) -> list[bool] | None:
+    def protected_mask(self, nd: Node, a: int) -> list[bool] | None:
         """Per page of [a, end) of nd: protected by an anchor (call before nd's anchors are dropped);
         None without a tier."""
         if self.tier is None:
             return None
         return [q > 0 for q in nd.protect_counts[a:]]
 
-    def _demote(self, nd: Node, a: int, protected: list[bool] | None) -> None:
+    def save_pages(self, nd: Node, a: int, protected: list[bool] | None) -> None:
         """Write the pages [a, ...) of nd (being dropped) to the second tier: every full page, and the SWA
-        pages a resume point needs (protected: _demote_mask's answer)."""
+        pages a resume point needs (protected: protected_mask's answer)."""
         if self.tier is None:
             return
         assert protected is not None
@@ -85,4 +90,4 @@ class DemotionMixin:
             self.tier.save("full", nd.keys[i], nd.full_pages[i])
             s = nd.swa_pages[i]
             if s is not None:
-                self._demote_swa(nd, i, s, protected[i - a])
+                self.save_swa(nd, i, s, protected[i - a])

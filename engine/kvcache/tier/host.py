@@ -43,7 +43,7 @@ import torch
 
 from swaserve.engine.kvcache.tier.file import MmapTierIO
 from swaserve.engine.kvcache.tier.index import SlotSpace
-from swaserve.engine.kvcache.tier.pins import PinsMixin
+from swaserve.engine.kvcache.tier.pins import Pins
 
 log = logging.getLogger("swaserve.engine")
 STAGING_BYTES = 256 << 20  # the write-behind staging buffer when the host level is off
@@ -60,7 +60,7 @@ class _Frame:
     gen: int
     ev: Any = None  # the copy into the frame (CUDA)
     dead: bool = False  # invalidated while the thread works on it: the thread frees its host slot
-    pinned: bool = False  # counted in pin_blocks (its record is pinned by a waiting request)
+    pinned: bool = False  # counted in Pins.blocks (its record is pinned by a waiting request)
 
 
 def _at_shutdown(io: HostTierIO) -> None:
@@ -80,7 +80,7 @@ def _at_shutdown(io: HostTierIO) -> None:
         atexit.register(drain)
 
 
-class HostTierIO(PinsMixin):
+class HostTierIO:
     """TierIO: a host level and a background writer / fetcher in front of an MmapTierIO (module docstring).
     threaded=False runs no thread: work_once() does one job in the caller (deterministic tests)."""
 
@@ -102,7 +102,8 @@ class HostTierIO(PinsMixin):
         self.writing: set[Key] = set()  # slots the thread is copying into the file
         self.loading = 0  # fetches in flight
         self.block_busy: dict[int, Any] = {}  # host block -> the last copy out of it (CUDA)
-        self._init_pins(host_blocks)  # records a waiting request will promote (engine/kvcache/tier/pins.py)
+        self.pins = Pins(self, host_blocks, self._block)  # records a waiting request will promote (pins.py)
+        self.pin, self.unpin = self.pins.pin, self.pins.unpin  # what KVTier pins records through
         self.cond = threading.Condition()
         self.stopping = self.closed = False
         self.n = dict.fromkeys(("host_hits", "disk_reads", "disk_writes", "sync_writes", "fetch_queued",
@@ -139,9 +140,11 @@ class HostTierIO(PinsMixin):
         return h
 
     def _free(self, f: _Frame) -> None:  # lock held; f already out of the maps
-        if f.pinned:
-            self._pin_block(f, -1)
+        self.pins.release(f)
         self.space.free(f.kind, f.hslot)
+
+    pin_bytes = property(lambda self: self.pins.bytes)  # the pins' bytes and bound (Pins.bytes, .limit)
+    pin_limit = property(lambda self: self.pins.limit)
 
     # ---- TierIO -----------------------------------------------------------------------------------
     def write(self, kind: str, page: int, slot: int, key: bytes) -> None:
@@ -212,11 +215,9 @@ class HostTierIO(PinsMixin):
                 if f.state in ("dirty", "clean"):
                     self._free(f)
                 else:  # writing / loading: the thread frees it when done
-                    if f.pinned:
-                        self._pin_block(f, -1)
+                    self.pins.release(f)
                     f.dead = True
-            if self.pins.pop(k, None) is not None:
-                self.pin_bytes -= self.page_bytes[kind]
+            self.pins.forget(k)
             self.disk.invalidate(kind, slot)
 
     def records(self) -> list[tuple[str, int, bytes]]:
@@ -274,12 +275,12 @@ class HostTierIO(PinsMixin):
                 continue
             f = _Frame(k[0], k[1], h, None, "loading", gen)
             if k in self.pins:
-                if not self._can_pin(f):  # a new block past the bound: the admission reads the file
+                if not self.pins.fits(f):  # a new block past the bound: the admission reads the file
                     self.space.free(f.kind, h)
                     self.n["fetch_skipped"] += 1
                     self.n["pin_refused"] += 1
                     continue
-                self._pin_block(f, +1)
+                self.pins.count_frame(f, +1)
             self.frames[k] = f
             self.loading += 1
             return f
@@ -306,7 +307,7 @@ class HostTierIO(PinsMixin):
                     self.n["disk_writes"] += 1
                 f.state = "clean"
                 if self.retain or k in self.pins:
-                    self._settle(f)
+                    self.pins.settle(f)
                 else:
                     del self.frames[k]
                     self._free(f)
@@ -327,7 +328,7 @@ class HostTierIO(PinsMixin):
                 self._free(f)
             else:
                 f.key, f.state = key, "clean"
-                self._settle(f)
+                self.pins.settle(f)
                 self.n["fetched"] += 1
             self.t["fetch_seconds"] += time.perf_counter() - t0
             self.cond.notify_all()
@@ -382,8 +383,6 @@ class HostTierIO(PinsMixin):
             self.fetches.clear()
             self.block_busy.clear()
             self.pins.clear()
-            self.pin_blocks.clear()
-            self.pin_bytes = 0
             self.space = SlotSpace(self.host_blocks, self.k)
             self.buffer = torch.empty(0, dtype=torch.uint8)  # the frames' memory goes back now
         self.disk.close()
@@ -394,5 +393,5 @@ class HostTierIO(PinsMixin):
             return {"host_level": self.retain,
                     "host_capacity_bytes": self.host_blocks * self.page_bytes["swa"],
                     "host_bytes": held, "pending_writes": len(self.dirty) + len(self.writing),
-                    "pinned_records": len(self.pins), "pinned_blocks": len(self.pin_blocks),
+                    "pinned_records": len(self.pins.owners), "pinned_blocks": len(self.pins.blocks),
                     **self.n, **self.t}

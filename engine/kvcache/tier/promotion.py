@@ -2,7 +2,7 @@
 
 Before a request's cache.match, KVManager.admit calls `promote`: what reuse point could the prompt reach
 if the pages the tree lacks came from the tier? Full KV is needed for every page before the point, SWA KV
-for the window before it (the reuse rule of engine/kvcache/radix_cache.py). If the point is deeper than
+for the window before it (the reuse rule of engine/kvcache/radix/cache.py). If the point is deeper than
 the tree alone gives, fresh pool pages are allocated (KVManager.alloc_pages: evicting, which may itself
 write pages to the tier), the tier's records are verified and copied into them, and they are inserted
 into the tree, so the ordinary match finds them. Any failure (no memory, a record dropped or rejected

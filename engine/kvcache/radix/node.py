@@ -1,4 +1,4 @@
-"""Radix-tree node at page granularity, and the helpers that walk page ranges up a root path.
+"""Radix-tree node at page granularity, and the helpers that walk page ranges up a root path or split a node.
 
 Positions are absolute page indices along the node's root path: a node covers pages
 [start_page, end_page) of every sequence that passes through it; page i holds tokens
@@ -64,7 +64,7 @@ class Node(CacheHandle):
         # [n] the pages' radix-path keys (engine/kvcache/tier/index.py's hash chain) when the cache has a tier
         self.keys: list[bytes] = []
         # [n] 1 where an anchor has ever protected the page (a window a request can resume at; with a tier,
-        # such a page is written when evicted even after its anchor is gone; demotion.py)
+        # such a page is written when evicted even after its anchor is gone; tier/demotion.py)
         self.anchored = bytearray(n)
 
     @property
@@ -105,3 +105,31 @@ def path_ranges(node: Node, lo: int, hi: int) -> Iterator[tuple[Node, int, int]]
         if b > a:
             yield nd, a, b
         nd = nd.parent
+
+
+def split(node: Node, m: int, page_size: int) -> Node:
+    """Split node after its first m pages: the new upper node is returned (the caller registers it), node
+    keeps the rest (so handles and anchors keep their end positions)."""
+    P = page_size
+    assert 0 < m < len(node.full_pages)
+    up = Node(node.parent, node.start_page, node.tokens[:m * P], node.full_pages[:m], node.swa_pages[:m],
+              node.last_access)
+    up.swa_locks = node.swa_locks[:m]
+    up.protect_counts = node.protect_counts[:m]
+    up.full_locks = node.full_locks
+    up.keys, node.keys = node.keys[:m], node.keys[m:]
+    up.anchored, node.anchored = node.anchored[:m], node.anchored[m:]
+    node.tokens = node.tokens[m * P:]
+    node.full_pages = node.full_pages[m:]
+    node.swa_pages = node.swa_pages[m:]
+    node.swa_locks = node.swa_locks[m:]
+    node.protect_counts = node.protect_counts[m:]
+    node.start_page += m
+    node.live_swa -= up.live_swa
+    for hi in [h for h in node.anchors if h <= node.start_page]:
+        up.anchors[hi] = node.anchors.pop(hi)
+    assert node.parent is not None
+    node.parent.children[page_key(up.tokens, 0, P)] = up
+    up.children[page_key(node.tokens, 0, P)] = node
+    node.parent = up
+    return up

@@ -1,4 +1,5 @@
-"""Anchors and the order in which their windows are given up (mixed into SWARadixCache; pure Python).
+"""Anchors and the order in which their windows are given up: `Retention`, a part of SWARadixCache (pure
+Python).
 
 An anchor at page boundary hi protects the SWA pages [lo, hi): the window [core_lo, hi) that a
 request diverging at the anchor needs, plus the divergence slack [lo, core_lo). Under SWA pressure
@@ -23,9 +24,9 @@ anchored again, starts with its interval known.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from swaserve.engine.kvcache.node import Anchor, Node, path_ranges
+from swaserve.engine.kvcache.radix.node import Anchor, Node, path_ranges
 
 MAX_GHOSTS = 1 << 16  # remembered evicted anchors (a few MB at most)
 
@@ -40,43 +41,50 @@ def evict_key(anchor: Anchor, node: Node, hi: int, now: int) -> tuple[int, int, 
     return (1, -(a.last_use + a.interval), node.last_access, -hi)
 
 
-class RetentionMixin:
-    # provided by SWARadixCache
-    page_size: int
-    window: int
-    swa_retain_tokens: int
-    root: Node
-    _nodes: set[Node]
+class Retention:
+    """The anchors of one radix cache: their protection, reuse history and ghosts, and the order in which
+    eviction gives their windows up (module docstring).
 
-    def _init_retention(self) -> None:
-        self.match_clock = 0  # match() calls so far: the time unit of the reuse history
+    Reads the nodes handed to it. Changes of a node only `anchors` (and the Anchor objects in it),
+    `protect_counts` and `anchored`; its own state is the match clock and the ghosts. The geometry is fixed
+    at construction (the cache's page_size, window and swa_retain_tokens)."""
+
+    def __init__(self, page_size: int, window: int, retain_tokens: int):
+        self.page_size = page_size
+        self.window = window
+        self.retain_tokens = retain_tokens  # divergence slack kept before an anchor's window
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the reuse history (the cache was reset)."""
+        self.clock = 0  # match() calls so far (the cache counts them): the time unit of the reuse history
         # evicted anchors: key -> (last use, interval, branched)
-        self._ghosts: OrderedDict[int, tuple[int, int | None, bool]] = OrderedDict()
+        self.ghosts: OrderedDict[int, tuple[int, int | None, bool]] = OrderedDict()
 
     # ---- protection ---------------------------------------------------------------------------
-    def _add_protection(self, node: Node, lo: int, hi: int, d: int) -> None:
+    def _protect(self, node: Node, lo: int, hi: int, d: int) -> None:
         for nd, a, b in path_ranges(node, lo, hi):
             nd.protect_counts[a:b] = [q + d for q in nd.protect_counts[a:b]]
             if d > 0:
                 nd.anchored[a:b] = b"\x01" * (b - a)
 
-    def _add_anchor(self, node: Node, hi: int, a: int, ids: Sequence[int], branch: bool = False) -> None:
+    def add_anchor(self, node: Node, hi: int, a: int, ids: Sequence[int], branch: bool = False) -> None:
         """Anchor at token offset a on node (start_page < hi <= end_page): protect pages [lo, hi).
         branch: requests diverge at hi (a radix branch point)."""
         P = self.page_size
         core_lo = max(0, (a // P) * P - self.window) // P
-        lo = max(0, (a // P) * P - self.window - self.swa_retain_tokens) // P
+        lo = max(0, (a // P) * P - self.window - self.retain_tokens) // P
         old = node.anchors.get(hi)
         if old is not None:
             if lo < old.lo:  # a wider range for the same end (an offset earlier in the same page)
-                self._add_protection(node, lo, old.lo, 1)
+                self._protect(node, lo, old.lo, 1)
                 old.lo = lo
             old.core_lo = min(old.core_lo, core_lo)
             old.branched |= branch
             return
         key = hash(tuple(ids[:hi * P]))
-        now = self.match_clock
-        ghost = self._ghosts.pop(key, None)
+        now = self.clock
+        ghost = self.ghosts.pop(key, None)
         interval: int | None = None
         if ghost is not None:  # recomputed after eviction: the window was needed again
             interval = now - ghost[0] if now > ghost[0] else ghost[1]
@@ -86,7 +94,7 @@ class RetentionMixin:
             if before is not None:  # the same conversation, one step further: its rhythm carries over
                 interval = before.interval
         node.anchors[hi] = Anchor(lo, core_lo, key, now, interval, branch)
-        self._add_protection(node, lo, hi, 1)
+        self._protect(node, lo, hi, 1)
 
     def _shadowed_anchor(self, node: Node, hi: int) -> Anchor | None:
         """The deepest anchor above page hi on the unbranched stretch of node's root path that ends
@@ -104,22 +112,37 @@ class RetentionMixin:
             nd, limit = parent, parent.end_page + 1
         return None
 
-    def _forget_anchor(self, node: Node, hi: int) -> Anchor:
+    def drop_slack(self, node: Node, hi: int) -> tuple[int, int] | None:
+        """Give up the divergence slack of the anchor ending at hi: the pages [lo, core_lo) it no longer
+        protects, or None when it had none."""
+        an = node.anchors[hi]
+        if an.lo >= an.core_lo:
+            return None
+        self._protect(node, an.lo, an.core_lo, -1)
+        lo, an.lo = an.lo, an.core_lo
+        return lo, an.core_lo
+
+    def forget(self, node: Node, hi: int) -> Anchor:
         """Remove an anchor (its protection too) and remember it as a ghost."""
         an = node.anchors.pop(hi)
-        self._add_protection(node, an.lo, hi, -1)
-        self._ghosts[an.key] = (an.last_use, an.interval, an.branched)
-        self._ghosts.move_to_end(an.key)
-        if len(self._ghosts) > MAX_GHOSTS:
-            self._ghosts.popitem(last=False)
+        self._protect(node, an.lo, hi, -1)
+        self.ghosts[an.key] = (an.last_use, an.interval, an.branched)
+        self.ghosts.move_to_end(an.key)
+        if len(self.ghosts) > MAX_GHOSTS:
+            self.ghosts.popitem(last=False)
         return an
 
+    def forget_after(self, node: Node, cut: int) -> None:
+        """Forget node's anchors that end after page cut (the pages there are being dropped)."""
+        for hi in [h for h in node.anchors if h > cut]:
+            self.forget(node, hi)
+
     # ---- reuse history --------------------------------------------------------------------------
-    def _credit(self, path: list[Node], k: int, depth: int) -> None:
+    def credit(self, path: list[Node], k: int, depth: int) -> None:
         """A match reused up to page k of a prompt whose full KV matched up to page `depth`: record
         the reuse on the anchor whose window served it (the shallowest anchor in [k, depth] whose
         protected range covers the window of k)."""
-        ws = self.window_start(k)
+        ws = max(0, k * self.page_size - self.window) // self.page_size  # the cache's window_start(k)
         best: Anchor | None = None
         best_hi = depth + 1
         for nd in path:
@@ -128,18 +151,16 @@ class RetentionMixin:
             for hi, an in nd.anchors.items():
                 if k <= hi < best_hi and hi <= depth and an.lo <= ws:
                     best, best_hi = an, hi
-        if best is not None and self.match_clock > best.last_use:
-            best.interval = self.match_clock - best.last_use
-            best.last_use = self.match_clock
-
-    def window_start(self, k: int) -> int:
-        raise NotImplementedError
+        if best is not None and self.clock > best.last_use:
+            best.interval = self.clock - best.last_use
+            best.last_use = self.clock
 
     # ---- order ----------------------------------------------------------------------------------
-    def _anchor_below(self) -> set[Node]:
+    @staticmethod
+    def _anchor_below(root: Node) -> set[Node]:
         """Nodes whose end continues, without a branch, into a node holding an anchor."""
         order: list[Node] = []
-        stack = [c for c in self.root.children.values()]
+        stack = [c for c in root.children.values()]
         while stack:
             nd = stack.pop()
             order.append(nd)
@@ -152,13 +173,15 @@ class RetentionMixin:
                     below.add(nd)
         return below
 
-    def anchors_in_order(self) -> tuple[list[tuple[Node, int]], list[tuple[Node, int]]]:
-        """(redundant anchors, the others), each in the order their pages are given up."""
-        below = self._anchor_below()
-        now = self.match_clock
+    def anchors_in_order(self, root: Node, nodes: Iterable[Node]
+                         ) -> tuple[list[tuple[Node, int]], list[tuple[Node, int]]]:
+        """(redundant anchors, the others) of the tree at root (nodes: every node but the root), each in
+        the order their pages are given up."""
+        below = self._anchor_below(root)
+        now = self.clock
         redundant: list[tuple[tuple[int, int, int], Node, int]] = []  # oldest first; the shallower on a tie
         others: list[tuple[tuple[int, int, int, int], Node, int]] = []
-        for nd in self._nodes:
+        for nd in nodes:
             if not nd.anchors:
                 continue
             deepest = max(nd.anchors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from swaserve.engine.kvcache.node import Node, page_key, path_ranges
+from swaserve.engine.kvcache.radix.node import Node, page_key, path_ranges
 from swaserve.engine.kvcache.tier.index import ROOT_KEY, chain_keys
 
 
@@ -14,6 +14,7 @@ def check_cache(cache: Any, used_full: int | None, used_swa: int | None) -> None
     fa, sa = cache.full_alloc, cache.swa_alloc
     fa.check()
     sa.check()
+    assert cache.demoter.tier is cache.tier, "evictions write to another tier than the cache's"
     if cache.tier is not None:
         cache.tier.check()
     root: Node = cache.root

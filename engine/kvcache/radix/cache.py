@@ -4,9 +4,12 @@ Reuse rule: a prefix can be reused up to a page-aligned X <= len(ids) - 1 only i
 cover [0, X) and live SWA pages cover the pages of [max(0, X - window), X). match() returns the
 largest such X, walking back from the deepest full-KV match when the window there is gone.
 
-Retention: anchors (prompt ends, finished sequence ends, caller-given message starts, radix branch
-points) protect the SWA pages of [align_down(A) - window - swa_retain_tokens, A); retention.py orders
-them, eviction.py evicts.
+The tree (nodes, match / insert / lock, the page counters) is this class. It owns three parts, each
+with its interface stated on its class: `Retention` (retention.py): anchors (prompt ends, finished
+sequence ends, caller-given message starts, radix branch points) protect the SWA pages of
+[align_down(A) - window - swa_retain_tokens, A), and the order in which their windows are given up;
+`Evictor` (eviction.py): what goes under pressure; `Demoter` (engine/kvcache/tier/demotion.py): which
+evicted pages are written to the second tier.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
-from swaserve.engine.kvcache.eviction import EvictionMixin
-from swaserve.engine.kvcache.integrity import check_cache
-from swaserve.engine.kvcache.node import Node, common_pages, page_key, path_ranges
-from swaserve.engine.kvcache.retention import RetentionMixin
+from swaserve.engine.kvcache.radix.eviction import Evictor
+from swaserve.engine.kvcache.radix.integrity import check_cache
+from swaserve.engine.kvcache.radix.node import Node, common_pages, page_key, path_ranges, split
+from swaserve.engine.kvcache.radix.retention import Retention
+from swaserve.engine.kvcache.tier.demotion import Demoter
 from swaserve.engine.kvcache.tier.index import ROOT_KEY, KVTier, chain_keys
 
 if TYPE_CHECKING:
     from swaserve.engine.config import CacheConfig
 
 
-class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
+class SWARadixCache(PrefixCache):
     """Radix tree at page granularity; each page holds a full page id and an SWA page id or None.
     The caller protocol is in engine/kvcache/base.py."""
 
@@ -56,14 +60,16 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         self.swa_alloc = swa_alloc
         self._clock = 0
         self.match_calls = self.query_tokens = self.hit_tokens = 0
-        self.evicted_full_pages = self.evicted_swa_pages = self.trimmed_swa_pages = 0
-        self.tier_saved_swa_pages = self.tier_skipped_swa_pages = 0  # evicted SWA pages (demotion.py)
+        self.evicted_full_pages = self.evicted_swa_pages = self.trimmed_swa_pages = 0  # kept by the evictor
         # the second tier evicted pages are written to (set_tier); nodes then carry their pages' keys
         self.tier: KVTier | None = None
+        self.retention = Retention(page_size, window, swa_retain_tokens)
+        self.demoter = Demoter(page_size, window, swa_retain_tokens)  # demoter.tier is self.tier
+        self.evictor = Evictor(self, self.retention, self.demoter)
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self._init_retention()
+        self.retention.clear()
         self.root = Node(None, 0, [], [], [], 0)
         self._nodes: set[Node] = set()  # every node but the root
         self.full_cached = 0  # full pages in the tree
@@ -76,11 +82,11 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         return True
 
     def set_tier(self, tier: KVTier | None) -> None:
-        """Write the pages evicted from now on that a later request can use to `tier` (demotion.py; only on
+        """Write the pages evicted from now on that a later request can use to `tier` (the Demoter; only on
         an empty cache: nodes need their keys)."""
         if self._nodes:
             raise RuntimeError("set_tier on a cache that holds pages")
-        self.tier = tier
+        self.tier = self.demoter.tier = tier
 
     def window_start(self, k: int) -> int:
         """First page of the window that reuse at page boundary k needs: the pages of
@@ -91,7 +97,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
     def match(self, token_ids: Sequence[int]) -> Match:
         """Largest reusable prefix (see the module docstring); updates access times, does not lock."""
         self.match_calls += 1
-        self.match_clock += 1
+        self.retention.clock += 1
         self.query_tokens += len(token_ids)
         P = self.page_size
         max_pages = (len(token_ids) - 1) // P if token_ids else 0
@@ -123,7 +129,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
         handle = self._node_ending_at(path, k)
         self._touch(handle)
         if k:
-            self._credit([handle, *path], k, p)
+            self.retention.credit([handle, *path], k, p)
         lo = self.window_start(k)
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])
@@ -198,30 +204,7 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
             node = node.parent
 
     def _split(self, node: Node, m: int) -> Node:
-        """Split node after its first m pages; the new upper node is returned, node keeps the rest
-        (so handles and anchors keep their end positions)."""
-        P = self.page_size
-        assert 0 < m < len(node.full_pages)
-        up = Node(node.parent, node.start_page, node.tokens[:m * P], node.full_pages[:m], node.swa_pages[:m],
-                  node.last_access)
-        up.swa_locks = node.swa_locks[:m]
-        up.protect_counts = node.protect_counts[:m]
-        up.full_locks = node.full_locks
-        up.keys, node.keys = node.keys[:m], node.keys[m:]
-        up.anchored, node.anchored = node.anchored[:m], node.anchored[m:]
-        node.tokens = node.tokens[m * P:]
-        node.full_pages = node.full_pages[m:]
-        node.swa_pages = node.swa_pages[m:]
-        node.swa_locks = node.swa_locks[m:]
-        node.protect_counts = node.protect_counts[m:]
-        node.start_page += m
-        node.live_swa -= up.live_swa
-        for hi in [h for h in node.anchors if h <= node.start_page]:
-            up.anchors[hi] = node.anchors.pop(hi)
-        assert node.parent is not None
-        node.parent.children[page_key(up.tokens, 0, P)] = up
-        up.children[page_key(node.tokens, 0, P)] = node
-        node.parent = up
+        up = split(node, m, self.page_size)
         self._nodes.add(up)
         return up
 
@@ -286,16 +269,17 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
             extra.append(len(ids))
         if not self.use_anchors:
             branches, anchors, extra = [], (), []
+        add_anchor = self.retention.add_anchor
         for nd in branches:
-            self._add_anchor(nd, nd.end_page, nd.end_page * P, ids, branch=True)
+            add_anchor(nd, nd.end_page, nd.end_page * P, ids, branch=True)
         ends = [nd.end_page for nd in path]
         for a in (*anchors, *extra):
             if 0 < a <= len(ids) and n > 0:
                 hi = min(-(-a // P), n)
-                self._add_anchor(path[bisect.bisect_left(ends, hi)], hi, a, ids)
+                add_anchor(path[bisect.bisect_left(ends, hi)], hi, a, ids)
         if finished and self.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
-            self._trim_head(path, max(end - self.window - self.swa_retain_tokens, 0) // P)
+            self.evictor.trim_head(path, max(end - self.window - self.swa_retain_tokens, 0) // P)
         tree_full: list[int] = []
         tree_swa: list[int | None] = []
         for nd in path:
@@ -359,7 +343,20 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
             self.swa_locked += d * sum(1 for c, s in zip(locks, live) if c == edge and s is not None)
             nd.swa_locks[a:b] = [c + d for c in locks]
 
-    # ---- accounting -------------------------------------------------------------------------
+    # ---- eviction (the Evictor) and accounting -----------------------------------------------
+    def evict_full(self, num_pages: int, dead_only: bool = False) -> int:
+        return self.evictor.evict_full(num_pages, dead_only)
+
+    def evict_swa(self, num_pages: int, unprotected_only: bool = False) -> int:
+        return self.evictor.evict_swa(num_pages, unprotected_only)
+
+    def _reuse_ends(self) -> dict[Node, int]:  # per node, the deepest reuse point (Evictor.reuse_ends)
+        return self.evictor.reuse_ends()
+
+    def anchors_in_order(self) -> tuple[list[tuple[Node, int]], list[tuple[Node, int]]]:
+        """(redundant anchors, the others), each in the order evict_swa gives their pages up."""
+        return self.retention.anchors_in_order(self.root, self._nodes)
+
     def evictable_full(self) -> int:
         return self.full_cached - self.full_locked
 
@@ -385,8 +382,8 @@ class SWARadixCache(RetentionMixin, EvictionMixin, PrefixCache):
             "match_calls": self.match_calls, "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens,
             "evicted_full_pages": self.evicted_full_pages, "evicted_swa_pages": self.evicted_swa_pages,
             "trimmed_swa_pages": self.trimmed_swa_pages,
-            **({"tier_saved_swa_pages": self.tier_saved_swa_pages,
-                "tier_skipped_swa_pages": self.tier_skipped_swa_pages} if self.tier is not None else {}),
+            **({"tier_saved_swa_pages": self.demoter.saved_swa,
+                "tier_skipped_swa_pages": self.demoter.skipped_swa} if self.tier is not None else {}),
         }
 
     def check_integrity(self, used_full: int | None = None, used_swa: int | None = None) -> None:
