@@ -25,6 +25,10 @@ class CausalLM(Protocol):
         """hidden [N, H] -> fp32 logits [N, V]."""
         ...
 
+    def fused_path(self) -> bool:
+        """Whether forward runs fused device kernels only (what a CUDA graph of a decode step captures)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ModelBundle:

@@ -40,9 +40,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 def graphs_supported(model: Any) -> bool:
     """Whether a decode step of `model` can be captured: CUDA, the fused path over the triton attention
     backend, and an MoE backend without host work in the step."""
-    from swaserve.engine.fused import decoder
-
-    return (model.device.type == "cuda" and decoder.supported(model)
+    return (model.device.type == "cuda" and model.fused_path()
             and getattr(model.moe, "graph_safe", False))
 
 

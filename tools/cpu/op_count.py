@@ -139,13 +139,11 @@ def count(batch: int, fused: bool) -> Counts:
     patch(triton_q4, "_num_sms", lambda device: SMS)
     patch(model.attn, "_sms", lambda device: SMS)
     patch(gemma4, "linear", lambda x, w, cpu_matmul="exact": triton_q4.quant_linear(x, w))  # CUDA's choice
-    patch(model, "_layer", labelled(model._layer, lambda i, *a: kind[i]))
+    patch(model, "_layer", labelled(model._layer, lambda i, *a: kind[i]))  # the layer body of both paths
     try:
         if fused:
-            from swaserve.engine.fused import decoder
             from swaserve.engine.fused.ops import device_kernels
 
-            patch(decoder, "device_layer", labelled(decoder.device_layer, lambda m, i, *a: kind[i]))
             with _Mode(counts), device_kernels():
                 model.forward(ids, meta, pool)
         else:

@@ -1,4 +1,5 @@
-"""The fused device path (engine/fused, Triton interpreter here) against the model's reference path.
+"""The fused device path (models/gemma4_fused.py, engine/fused's kernels in the Triton interpreter
+here) against the model's reference path.
 
 Same model, same batch (a prefill chunk and decodes, sliding and full layers), same pool: the
 hidden states after the final norm must agree to fp32 rounding, and the KV the fused store
