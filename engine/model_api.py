@@ -1,4 +1,4 @@
-"""What the engine needs from a model. `models/` builds one (models.registry.load_model); whoever
+"""What the engine needs from a model. `models/` builds one (models.architectures.load_model); whoever
 composes (the CLI, the server launch, `LLM`) hands it to the engine, which never imports `models/`."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def main() -> None:
         from swaserve.models.architectures import load_model
     except ImportError:  # the tree before the house change
         from swaserve.engine.async_engine import AsyncEngine
-        from swaserve.models.registry import load_model
+        from swaserve.models.registry import load_model  # noqa: F401 - the tree before the house change
     from swaserve.engine.args import engine_config_from_args
     from swaserve.engine.engine import Engine
     from swaserve.server.app import build_app
