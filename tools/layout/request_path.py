@@ -41,14 +41,17 @@ def main() -> None:
     from swaserve.server.launch import server_config_from_args
 
     seen: dict[tuple[str, str], int] = {}
+    real: dict[str, str] = {}  # co_filename -> the file it names (the package may be reached through a link)
     lock = threading.Lock()
     on = threading.Event()
 
     def prof(frame, event, arg):  # set before any thread starts: Python 3.11 cannot profile running threads
         if event != "call" or not on.is_set():
             return
-        f = frame.f_code.co_filename
-        if f.startswith(root) and not any(s in f for s in SKIP):
+        f = real.get(frame.f_code.co_filename) or real.setdefault(frame.f_code.co_filename,
+                                                                  os.path.realpath(frame.f_code.co_filename))
+        if f.startswith(root + os.sep) and not f.startswith("<") and not any(s in f for s in SKIP) \
+                and not frame.f_code.co_filename.startswith("<"):
             key = (os.path.relpath(f, root), frame.f_code.co_qualname)
             with lock:
                 seen.setdefault(key, len(seen))
