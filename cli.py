@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="N serve replicas behind a prefix-affine router (smg; docs/scale-out.md)")
     add_engine_args(fleet)
     add_serve_args(fleet)
-    from swaserve.server.fleet import add_fleet_args
+    from swaserve.server.fleet.launch import add_fleet_args
 
     add_fleet_args(fleet)
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_args(gen)
 
     mk = sub.add_parser("make-model", help="write a random Gemma 4 GGUF (demo, tests, benchmarks)")
-    from swaserve.models.tiny import add_make_model_args
+    from swaserve.models.demo.tiny import add_make_model_args
 
     add_make_model_args(mk)
 
@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     from swaserve.bench.speed import add_speed_args
 
     add_speed_args(bsub.add_parser("speed", help="CPU engine speed, beside llama.cpp with --peer"))
+    from swaserve.bench import cache_sim
+
+    cache_sim.add_cache_args(bsub.add_parser(
+        "cache", help="prefix-cache reuse: workloads x SWA pool sizes x retention policies (no model)",
+        description=cache_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return p
 
 
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command == "fleet":
-            from swaserve.server.fleet import run_fleet
+            from swaserve.server.fleet.launch import run_fleet
 
             return run_fleet(args, raw[raw.index("fleet") + 1:])
         if args.command == "generate":
@@ -71,13 +76,17 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_generate(args)
         if args.command == "make-model":
-            from swaserve.models.tiny import run_make_model
+            from swaserve.models.demo.tiny import run_make_model
 
             return run_make_model(args)
         if args.command == "bench" and args.bench_command == "speed":
             from swaserve.bench.speed import run_speed
 
             return run_speed(args)
+        if args.command == "bench" and args.bench_command == "cache":
+            from swaserve.bench.cache_sim import run_cache
+
+            return run_cache(args)
         if args.command == "bench":
             from swaserve.bench.serve_bench import run_bench
 

@@ -32,7 +32,7 @@ class LLM:
     def __init__(self, model_path: str | None = None, progress: bool = False,
                  config: EngineConfig | None = None, **engine_kwargs):
         from swaserve.engine.engine import Engine
-        from swaserve.models.registry import load_model
+        from swaserve.models.architectures import load_model
 
         cfg = config if config is not None else engine_config_from_kwargs(model_path, **engine_kwargs)
         self.engine = Engine(cfg, load_model(cfg, progress=progress))

@@ -1,19 +1,21 @@
-"""Cache-level benchmark: workloads x SWA pool sizes x retention policies, driven through the engine's own
-Scheduler and KVManager (engine/scheduler) over the real prefix cache, with a fake model that returns
-each request's predetermined answer (no tensors). Reports the prompt tokens reused per row and the ratio
-to keep-everything (a pool too large to ever evict), the upper bound.
+"""`swaserve bench cache`: the cache-level benchmark, workloads x SWA pool sizes x retention policies,
+driven through the engine's own Scheduler and KVManager (engine/scheduler) over the real prefix cache,
+with a fake model that returns each request's predetermined answer (no tensors). Reports the prompt
+tokens reused per row and the ratio to keep-everything (a pool too large to ever evict), the upper bound.
 
-    python -m swaserve.bench.cache_sim                  # the full table (page 16, window 1024)
-    python -m swaserve.bench.cache_sim --json           # one JSON object per row
-    python -m swaserve.bench.cache_sim --workload multiturn --windows 8,16 --policy lazy
+    swaserve bench cache                  # the full table (page 16, window 1024)
+    swaserve bench cache --json           # one JSON object per row
+    swaserve bench cache --workload multiturn --windows 8,16 --policy lazy
+
+`python -m swaserve.bench.cache_sim` takes the same flags.
 
 Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what the running requests
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
 and a full-attention pool of 4x as many tokens; `roomy` holds every trace's KV. With `--arena` the
 same bytes form one arena both kinds share (the engine's layout: a block is one SWA page or 10 full
 pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Policies `X+tier` (lazy+tier,
-eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier.py) large enough for every
-page of the trace: the pages a later request can use (engine/kvcache/demotion.py) are written to it when
+eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier/index.py) large enough for every
+page of the trace: the pages a later request can use (engine/kvcache/tier/demotion.py) are written to it when
 evicted or trimmed and promoted back at admission (its records are the fake model's KV, so --check covers
 them); the JSON rows then count the pages written per kind.
 """
@@ -33,12 +35,13 @@ from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, mak
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
 from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
-from swaserve.engine.kvcache.tier import DictTierIO, KVTier
+from swaserve.engine.kvcache.tier.index import DictTierIO, KVTier
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
 POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier", "eager-16+tier",
             "eager-512+tier")
-TIER = "lazy+tier"  # lazy with a second tier (engine/kvcache/tier.py) that holds every page of the trace
+# lazy with a second tier (engine/kvcache/tier/index.py) that holds every page of the trace
+TIER = "lazy+tier"
 TIER_SUFFIX = "+tier"  # any policy with a second tier
 KEEP_EVERYTHING = "keep-everything"
 WINDOWS = ("4", "8", "16", "roomy")
@@ -320,9 +323,7 @@ def _windows(text: str) -> list[int | str]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m swaserve.bench.cache_sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", type=lambda s: _choices(s, WORKLOADS, "--workload"), default=list(WORKLOADS),
                    help=f"comma-separated (default all): {', '.join(WORKLOADS)}")
     p.add_argument("--policy", type=lambda s: _choices(s, POLICIES, "--policy"), default=list(POLICIES),
@@ -336,14 +337,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="verify every KV read of the fake model and the cache invariants after every step")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m swaserve.bench.cache_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cache_args(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.concurrency < 1:
-        parser.error("--concurrency must be at least 1")
+def _flag_error(args: argparse.Namespace) -> str | None:
+    return "--concurrency must be at least 1" if args.concurrency < 1 else None
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Run the table the parsed flags name and print it (or its JSON rows); ValueError for a bad flag."""
+    error = _flag_error(args)
+    if error is not None:
+        raise ValueError(error)
     geo = Geometry(concurrency=args.concurrency, arena=args.arena)
     rows = run_table(args.workload, args.policy, args.windows, geo, check=args.check, progress=not args.json)
     if args.json:
@@ -352,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_table(rows, args.policy))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m swaserve.bench.cache_sim`: the flags and output of `swaserve bench cache`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    error = _flag_error(args)
+    if error is not None:
+        parser.error(error)
+    return run_cache(args)
 
 
 if __name__ == "__main__":

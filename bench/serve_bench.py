@@ -58,7 +58,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--model", default=None, help="GGUF for the servers this command starts")
     t.add_argument(
-        "--model-preset", default=None, help="make (once, cached) and serve a models/tiny.py preset"
+        "--model-preset", default=None, help="make (once, cached) and serve a models/demo/tiny.py preset"
     )
     t.add_argument("--server-args", default="", help="extra `swaserve serve` flags for every started server")
     t.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
@@ -128,8 +128,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _preset_path(preset: str) -> str:
-    """A random model of a models/tiny.py preset, made once into $SWASERVE_CACHE (or ~/.cache/swaserve)."""
-    from swaserve.models import tiny
+    """A random model of a models/demo/tiny.py preset, made once into $SWASERVE_CACHE (or
+    ~/.cache/swaserve)."""
+    from swaserve.models.demo import tiny
 
     if preset not in tiny.PRESETS:
         raise ValueError(f"--model-preset {preset!r}: choose from {', '.join(tiny.PRESETS)}")

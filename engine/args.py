@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 from swaserve.engine.attention import ATTENTION_BACKENDS
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.kvcache import PREFIX_CACHES
 from swaserve.engine.moe import MOE_BACKENDS
 from swaserve.engine.registry import Registry
 
-_REGISTRIES: dict[str, Registry] = {"attention": ATTENTION_BACKENDS, "moe": MOE_BACKENDS}
+_REGISTRIES: dict[str, Registry] = {"attention": ATTENTION_BACKENDS, "moe": MOE_BACKENDS,
+                                    "cache": PREFIX_CACHES}
 
 # argparse group title of each config's flags, in --help order
 _GROUPS: tuple[tuple[str, type], ...] = (

@@ -22,21 +22,18 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_copies import HostCopies
-from swaserve.engine.attention.kv_host import STAGING_BYTES, HostTierIO
-from swaserve.engine.attention.kv_offload import MmapTierIO, file_identity, fingerprint
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
-from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from swaserve.engine.cuda_graphs import DecodeGraphs, graphs_supported
-from swaserve.engine.kvcache import Arena, NaiveCache, PagePool, PrefixCache, SWARadixCache
-from swaserve.engine.kvcache.tier import KVTier
+from swaserve.engine.kvcache import PREFIX_CACHES, Arena, PagePool, PrefixCache, SWARadixCache
+from swaserve.engine.kvcache.tier.build import build_tier
 from swaserve.engine.model_api import ModelBundle
-from swaserve.engine.model_runner import ModelRunner
-from swaserve.engine.peak_step import measure_graph_memory, reserve_peak_step
+from swaserve.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
+from swaserve.engine.runner.model_runner import ModelRunner
+from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
-from swaserve.engine.template_sandbox import RenderLimits
-from swaserve.engine.tokenizer import Tokenizer
+from swaserve.engine.text.chat_template import ChatTemplate, model_chat_template
+from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("swaserve.engine")
 
@@ -151,44 +148,8 @@ class EngineParts:
 
 def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
                 swa_alloc: PagePool) -> PrefixCache:
-    """The prefix cache `--cache-type` names."""
-    if cache_cfg.cache_type == "naive":
-        return NaiveCache(cache_cfg.page_size, full_alloc, swa_alloc)
-    return SWARadixCache(cache_cfg.page_size, window, full_alloc, swa_alloc,
-                         swa_retain_tokens=cache_cfg.swa_retain_budget, policy=cache_cfg.swa_retain_policy)
-
-
-HOST_GB_CUDA = 4.0  # the default host level on CUDA (--kv-offload-host-gb)
-
-
-def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVTier:
-    """The second KV tier (`--kv-offload-dir`, `--kv-offload-gb`): a memory-mapped file of arena-shaped
-    blocks whose records carry a fingerprint of the model file, its config, the KV layout and the numerics."""
-    c = cfg.cache
-    assert c.kv_offload_dir is not None
-    block_bytes = pool.page_size * pool.swa_record * pool.buffer.element_size()
-    blocks = int(c.kv_offload_gb * 2**30 // block_bytes)
-    if blocks < 1:
-        raise ValueError(f"--kv-offload-gb {c.kv_offload_gb} is less than one KV block "
-                         f"({block_bytes / 2**20:.2f} MiB)")
-    fp = fingerprint(["swaserve-kv-tier", 1, file_identity(bundle.path), bundle.config, str(pool.dtype),
-                      pool.page_size, pool.full_per_block, pool.full_record, pool.swa_record,
-                      cfg.cpu_matmul, bundle.device.type])
-    disk = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
-    host_gb = c.kv_offload_host_gb
-    if host_gb is None:
-        host_gb = HOST_GB_CUDA if bundle.device.type == "cuda" else 0.0
-    host_bytes = min(host_gb * 2**30, blocks * block_bytes) if host_gb > 0 else \
-        min(STAGING_BYTES, blocks * block_bytes)
-    host_blocks = max(1, int(host_bytes // block_bytes))
-    io = HostTierIO(disk, host_blocks, retain=host_gb > 0, copies=HostCopies(bundle.device))
-    tier = KVTier(io, blocks, pool.full_per_block, name="host+disk" if host_gb > 0 else "disk")
-    log.info("KV offload tier: %s, %d blocks (%.2f GiB), %d records reused%s; %s %.2f GiB%s", disk.path,
-             blocks, blocks * block_bytes / 2**30, tier.reopened,
-             " (file reinitialised)" if disk.reinitialised else "",
-             "host level" if host_gb > 0 else "write-behind staging", host_blocks * block_bytes / 2**30,
-             " pinned" if bundle.device.type == "cuda" else "")
-    return tier
+    """The prefix cache `--cache-type` names (PREFIX_CACHES); ValueError for an unknown name."""
+    return PREFIX_CACHES.load(cache_cfg.cache_type).create(cache_cfg, window, full_alloc, swa_alloc)
 
 
 def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
@@ -197,9 +158,8 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     model_cfg, cache_cfg, sched_cfg = bundle.config, cfg.cache, cfg.scheduler
     device = bundle.device
     tokenizer = Tokenizer.from_metadata(bundle.metadata)
-    template_source = bundle.metadata.get("tokenizer.chat_template")
-    limits = RenderLimits.of(cfg)  # --chat-template-timeout / --chat-template-max-chars
-    chat_template = ChatTemplate(template_source, tokenizer, limits=limits) if template_source else None
+    # --chat-template-timeout / --chat-template-max-chars
+    chat_template = model_chat_template(bundle.metadata, tokenizer, RenderLimits.of(cfg))
     context = sched_cfg.context_length or model_cfg.context_length
     graphs_on = not cfg.no_cuda_graphs and graphs_supported(bundle.model)
     graph_hold = None

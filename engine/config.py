@@ -3,7 +3,7 @@
 Each engine setting is declared once, here: its default, and (in the field's metadata, see
 `option`) the flag that sets it, the flag's help and its bounds. engine/args.py builds the argparse
 flags and both config builders from these declarations; choices come from the `Literal` type or,
-for backends, from their registry.
+for backends and the prefix cache, from their registry.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def option(default: Any = MISSING, flag: str | None = None, *, help: str | None 
     """A config field and the command-line flag that sets it: `flag` (its words, joined by `_`, name
     the argparse attribute), `help`, numeric bounds checked when the flag is parsed (`min` <= v, or
     `min` < v with min_exclusive; v <= `max`). Choices are the field's Literal values, or for
-    `backends="attention" | "moe"` the names registered in that backend family (engine/args.py reads
+    `backends="attention" | "moe" | "cache"` the names registered in that family (engine/args.py reads
     the registry, so this module imports no backend package)."""
     meta = {"flag": flag, "help": help, "min": min, "max": max, "min_exclusive": min_exclusive,
             "backends": backends}
@@ -85,8 +85,9 @@ def option(default: Any = MISSING, flag: str | None = None, *, help: str | None 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    cache_type: Literal["radix", "naive"] = option(
-        "radix", "--cache-type", help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
+    cache_type: str = option(
+        "radix", "--cache-type", backends="cache",
+        help="radix: SWA-aware prefix cache; naive: no cross-request reuse")
     page_size: int = option(16, "--page-size", min=1)
     kv_cache_dtype: KVDtype = option("auto", "--kv-cache-dtype")
     # total budget for both pools; None = backend default
@@ -119,7 +120,7 @@ class CacheConfig:
         "lazy", "--swa-retain-policy",
         help="lazy: evict SWA only under pressure; eager: trim at finish like the seed engine")
     # the second KV tier: pages evicted from the arena go to a memory-mapped file in this directory and come
-    # back on a prefix hit instead of being recomputed (engine/kvcache/tier.py); None = no tier
+    # back on a prefix hit instead of being recomputed (engine/kvcache/tier/index.py); None = no tier
     kv_offload_dir: str | None = option(
         None, "--kv-offload-dir",
         help="directory for the second KV tier: evicted prefix pages are written to a memory-mapped file "
@@ -173,7 +174,7 @@ class EngineConfig:
     # the stored rows; exact for the other types or when a kernel cannot be built), "exact" (dequantize +
     # fp32 matmul: the oracle) or "fast" (torch's bf16 int4 kernel);
     # bf16 activations always take the int4 kernel. The model and the MoE backend get it at
-    # construction (models/registry.py) and pass it to each linear.
+    # construction (models/architectures.py) and pass it to each linear.
     cpu_matmul: CpuMatmul = option(
         "native", "--cpu-matmul",
         help="CPU quantized linears of fp32 activations: native (default: integer kernels with 8-bit "
@@ -182,8 +183,8 @@ class EngineConfig:
     no_cuda_graphs: bool = option(
         False, "--no-cuda-graphs",
         help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "
-             "bucket (engine/cuda_graphs.py; graphs are on by default with the triton backends)")
-    # one chat-template render's budget (engine/template_sandbox.py RenderLimits); None = the sandbox's
+             "bucket (engine/runner/cuda_graphs.py; graphs are on by default with the triton backends)")
+    # one chat-template render's budget (engine/text/template_sandbox.py RenderLimits); None = the sandbox's
     # defaults (RENDER_TIME_LIMIT_S = 10 s, RENDER_MAX_CHARS = 16 Mi), read when each render starts
     chat_template_timeout: float | None = option(
         None, "--chat-template-timeout", min=0, min_exclusive=True,

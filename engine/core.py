@@ -46,7 +46,8 @@ GrammarKind = Literal["json_schema", "lark", "regex"]
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A structured-output constraint as plain, picklable data; the engine compiles it (engine/grammar.py).
+    """A structured-output constraint as plain, picklable data; the engine compiles it
+    (engine/text/grammar.py).
 
     kind "json_schema": `source` is a JSON schema as JSON text; "lark": an llguidance Lark grammar
     (special tokens written `<|"|>`, JSON sub-grammars as `%json {...}`); "regex": a regular expression.
@@ -75,7 +76,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     # with skip_special_tokens=False: special tokens decode to MARK_OPEN + text + MARK_CLOSE
-    # (engine/tokenizer.py), so that a reader tells them from the same text written out
+    # (engine/text/tokenizer.py), so that a reader tells them from the same text written out
     mark_special_tokens: bool = False
     min_tokens: int = 0  # stop ids (EOS, stop_token_ids) are banned until this many tokens were generated
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
@@ -199,12 +200,12 @@ class Req:
     swa_drop_from: int = 0  # request-owned SWA pages before this page index are already dropped
     prompt_cached: bool = False  # the whole prompt was inserted into the cache once
     cached_tokens: int | None = None  # prompt tokens reused at first admission (exact)
-    offload_cached: int = 0  # of those, tokens promoted from the second KV tier (engine/kvcache/tier.py)
+    offload_cached: int = 0  # of those, tokens promoted from the second KV tier (engine/kvcache/tier/)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     generator: object | None = None  # filled by the model runner (torch.Generator)
-    # grammar matcher state (engine/grammar.py GrammarState), made by the model runner at the first
+    # grammar matcher state (engine/text/grammar.py GrammarState), made by the model runner at the first
     # sample; it follows output_ids (so preemption and re-prefill leave it valid); dropped at finish
     grammar: object | None = None
     # timings (time.monotonic), filled by the engine

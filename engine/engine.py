@@ -1,9 +1,9 @@
 """The synchronous engine core: requests in (`add_request`), one scheduler step at a time (`step`),
 `RequestOutput`s out. Text is produced here (incremental detokenization, stop strings held back until
-decided and cut from the output: engine/text_stream.py).
+decided and cut from the output: engine/text/text_stream.py).
 
 Single-threaded by contract: the offline API (`swaserve.llm.LLM`) calls it directly, the server
-drives it through the asynchronous front (engine/async_engine.py), which owns the thread it runs on.
+drives it through an engine front (engine/client/), whose engine loop (loop.py) owns the thread it runs on.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from typing import Any
 from swaserve.engine.builder import build_engine_parts
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import EngineClosed, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.engine.grammar import GrammarBackend
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
-from swaserve.engine.template_sandbox import RenderLimits
-from swaserve.engine.text_stream import TextStream
+from swaserve.engine.text.grammar import GrammarBackend
+from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.engine.text.text_stream import TextStream
+from swaserve.engine.validation import RequestLimits, validate_request
 
 log = logging.getLogger("swaserve.engine")
 
@@ -66,13 +67,15 @@ class Engine:
         self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
         self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
+        self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.model_config.vocab_size,
+                                            self.context_length)
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc
         self.swa_alloc = parts.swa_alloc
         self.arena = parts.arena
         self.cache = parts.cache
-        self.tier = getattr(self.cache, "tier", None)  # the second KV tier (--kv-offload-dir)
+        self.tier = self.cache.tier  # the second KV tier (--kv-offload-dir; PrefixCache.tier)
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.grammar = GrammarBackend(self.tokenizer, self.eos_ids)  # compiles lazily, on first use
@@ -101,14 +104,10 @@ class Engine:
     # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                       anchors: Sequence[int] = ()) -> list[Req]:
-        """Validate and build the Reqs of one request (safe from any thread); RequestError on bad input,
-        EngineClosed after close()."""
+        """Validate (engine/validation.py) and build the Reqs of one request (safe from any thread);
+        RequestError on bad input, EngineClosed after close()."""
         self._check_open()
-        params.validate(self.tokenizer.vocab_size)
-        if params.grammar is not None:
-            self.grammar.check(params.grammar)  # compiles (ms; cached by spec); RequestError if invalid
-        if any(not 0 <= int(t) < self.model_config.vocab_size for t in prompt_ids):
-            raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
+        validate_request(prompt_ids, params, self.request_limits, self.grammar.check)
         seed = (self.config.seed * 1_000_003 + next(self._seed_counter)) & 0x7FFF_FFFF_FFFF_FFFF
         reqs = make_reqs(request_id, [int(t) for t in prompt_ids], params, context_length=self.context_length,
                          eos_ids=self.eos_ids, seed=seed, anchors=anchors,
@@ -327,8 +326,8 @@ class Engine:
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "prefix_cache_hit_tokens_by_tier": {
-                "memory": sched.prefix_hit_tokens - sched.prefix_offload_hit_tokens,
-                "offload": sched.prefix_offload_hit_tokens},
+                "memory": sched.prefix_hit_tokens - sched.prefix_tier_hit_tokens,
+                "offload": sched.prefix_tier_hit_tokens},
             "kv_tier": self.tier.stats() if self.tier is not None else None,
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,

@@ -1,4 +1,4 @@
-"""What the engine needs from a model. `models/` builds one (models.registry.load_model); whoever
+"""What the engine needs from a model. `models/` builds one (models.architectures.load_model); whoever
 composes (the CLI, the server launch, `LLM`) hands it to the engine, which never imports `models/`."""
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ class CausalLM(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V]."""
+        ...
+
+    def fused_path(self) -> bool:
+        """Whether forward runs fused device kernels only (what a CUDA graph of a decode step captures)."""
         ...
 
 

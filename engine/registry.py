@@ -1,8 +1,8 @@
-"""Backends of one family (attention, MoE) by name, each imported only when chosen.
+"""Backends of one family (attention, MoE, prefix cache) by name, each imported only when chosen.
 
-A family's package `__init__` registers its backends as `"module:Class"` targets and gives the rule
-that turns "auto" into one of them; the CLI choices, the config and the error messages all read the
-names from here, so adding a backend is one `register` line.
+A family's package `__init__` registers its backends as `"module:Class"` targets and, when the family
+has one, gives the rule that turns "auto" into one of them; the CLI choices, the config and the error
+messages all read the names from here, so adding a backend is one `register` line.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ AUTO = "auto"
 
 
 class Registry(Generic[Backend]):
-    """Name -> lazily imported backend class, plus the family's `auto` rule."""
+    """Name -> lazily imported backend class, plus the family's `auto` rule (None: no "auto")."""
 
-    def __init__(self, family: str, auto: Callable[..., str]) -> None:
+    def __init__(self, family: str, auto: Callable[..., str] | None) -> None:
         self.family = family  # in messages: "unknown {family} backend ..."
         self._auto = auto  # (the family's context: device, weights, ...) -> a registered name
         self._targets: dict[str, str] = {}  # name -> "package.module:Class", in registration order
@@ -31,8 +31,10 @@ class Registry(Generic[Backend]):
 
     @property
     def choices(self) -> tuple[str, ...]:
-        """Every name a user may pass: "auto" first, then the backends in registration order."""
-        return (AUTO, *self._targets)
+        """Every name a user may pass: "auto" first (when the family has an auto rule), then the
+        backends in registration order."""
+        names = tuple(self._targets)
+        return names if self._auto is None else (AUTO, *names)
 
     def check(self, name: str) -> None:
         """ValueError (one line) for a name that is neither a backend nor "auto"."""
@@ -44,6 +46,7 @@ class Registry(Generic[Backend]):
         self.check(name)
         if name != AUTO:
             return name
+        assert self._auto is not None  # check() refuses "auto" without a rule
         picked = self._auto(*context, **named_context)
         assert picked in self._targets, f"{self.family} auto rule picked unregistered {picked!r}"
         return picked

@@ -1,7 +1,7 @@
 """The tensors of a Gemma 4 GGUF (llama.cpp `gemma4` names) and their shapes for a ModelConfig.
 
 Beside the model definition (models/gemma4.py) but apart from it: the loader checks a file against
-these shapes and the random-model generator (models/tiny.py) writes them, and neither needs torch
+these shapes and the random-model generator (models/demo/tiny.py) writes them, and neither needs torch
 or the model code for that. The order is the file order the generator writes (it seeds each
 tensor's random stream by its index here), so changing it changes the generated demo model.
 """

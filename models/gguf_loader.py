@@ -1,6 +1,6 @@
 """Load a Gemma 4 GGUF (architecture `gemma4`, llama.cpp names) memory-mapped through the `gguf` package.
 
-`open_gguf` maps and parses a file once (metadata and tensor index); models/registry.py reads the
+`open_gguf` maps and parses a file once (metadata and tensor index); models/architectures.py reads the
 architecture from it and hands the same GGUFFile to that architecture's loader (`load_gemma4`).
 Every matrix (attention, dense MLP, experts, the token embedding that is also the tied lm_head) stays
 in its stored form as a view of the mapped file (QWeight): F32/F16/BF16 and every block type with a

@@ -1,7 +1,8 @@
 """build_app(engine, ServerConfig) -> FastAPI.
 
-`engine` is a started AsyncEngine, or a zero-argument callable that builds one: then the app answers
-at once (/health is 503 "loading") and the engine loads in a background thread, started by the app's lifespan.
+`engine` is a started EngineClient (engine/client/base.py), or a zero-argument callable that builds one:
+then the app answers at once (/health is 503 "loading") and the engine loads in a background thread,
+started by the app's lifespan.
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
-from swaserve.server.admin_guard import ADMIN_PATHS, AdminGuard
-from swaserve.server.auth import check_api_key
+from swaserve.server.chat.route import router as chat_router
+from swaserve.server.completions import router as completions_router
 from swaserve.server.errors import APIError, install_error_handlers
-from swaserve.server.limits import BodyLimit
-from swaserve.server.openapi_doc import install_openapi
-from swaserve.server.routes_chat import router as chat_router
-from swaserve.server.routes_completions import router as completions_router
-from swaserve.server.routes_misc import router as misc_router
-from swaserve.server.routes_responses import router as responses_router
-from swaserve.server.routes_ui import router as ui_router
+from swaserve.server.fleet.replica_api import DrainGate
+from swaserve.server.fleet.replica_api import router as worker_router
+from swaserve.server.http.admin_guard import ADMIN_PATHS, AdminGuard
+from swaserve.server.http.auth import check_api_key
+from swaserve.server.http.limits import BodyLimit
+from swaserve.server.http.openapi_doc import install_openapi
+from swaserve.server.misc_routes import router as misc_router
+from swaserve.server.responses.route import router as responses_router
 from swaserve.server.state import ServerConfig, ServerState
-from swaserve.server.worker_api import DrainGate
-from swaserve.server.worker_api import router as worker_router
+from swaserve.server.ui.route import router as ui_router
 
 if TYPE_CHECKING:
-    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.client.base import EngineClient
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
 
@@ -56,9 +57,9 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
+def build_app(engine: EngineClient | Callable[[], EngineClient],
               cfg: ServerConfig | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (an AsyncEngine, or a loader callable run in a thread)."""
+    """The OpenAI-compatible app over `engine` (an EngineClient, or a loader callable run in a thread)."""
     cfg = cfg or ServerConfig()
     if callable(engine) and not hasattr(engine, "generate"):
         state = ServerState(cfg, None, loader=engine)
@@ -88,7 +89,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
-    else:  # no key: admin POSTs only from this host's names / allowed origins (server/admin_guard.py)
+    else:  # no key: admin POSTs only from this host's names / allowed origins (server/http/admin_guard.py)
         app.add_middleware(AdminGuard, allowed_hosts=cfg.allowed_hosts, allowed_origins=cfg.allowed_origins)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key
         from starlette.middleware.cors import CORSMiddleware

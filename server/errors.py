@@ -40,7 +40,7 @@ class APIError(Exception):
         self.code = code
         self.type = type_ or _TYPES.get(status, "invalid_request_error")
 
-    def __reduce__(self) -> tuple[Any, ...]:  # raised in a worker process (server/chat_worker.py)
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a worker process (server/chat/worker.py)
         return (APIError, (self.status, self.message, self.param, self.code, self.type))
 
     def body(self) -> dict[str, Any]:

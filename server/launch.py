@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from swaserve.engine.args import bounded_number
 from swaserve.engine.core import MAX_STOP_STRINGS
 from swaserve.server.app import build_app
-from swaserve.server.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
-from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.http.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
+from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
 from swaserve.server.state import ServerConfig
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("swaserve.server")
 
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get after SIGTERM (server/shutdown.py)
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get after SIGTERM (server/http/shutdown.py)
 
 
 def _port(s: str) -> int:
@@ -156,7 +156,7 @@ def _chat_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template {path}: no such file")
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    from swaserve.engine.chat_template import make_environment
+    from swaserve.engine.text.chat_template import make_environment
 
     try:
         make_environment().from_string(source)
@@ -220,7 +220,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def build_engine_core(cfg: EngineConfig) -> Engine:
     """Load the model and build the synchronous engine (in the engine process, or on a server thread)."""
     from swaserve.engine.engine import Engine
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     return Engine(cfg, load_model(cfg, progress=True))
 
@@ -243,10 +243,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load():
         if args.engine_process:
-            from swaserve.engine.engine_process import EngineClient
+            from swaserve.engine.client.process import EngineProcessClient
 
-            return EngineClient(build_engine_core, engine_cfg)
-        from swaserve.engine.async_engine import AsyncEngine
+            return EngineProcessClient(build_engine_core, engine_cfg)
+        from swaserve.engine.client.in_process import AsyncEngine
 
         return AsyncEngine(build_engine_core(engine_cfg))
 
@@ -255,15 +255,15 @@ def run_serve(args: argparse.Namespace) -> int:
     policy = ConnectionPolicy(args.max_connections or default_max_connections(), args.request_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5, http=policy.protocol())
-    from swaserve.server.shutdown import GracefulServer
+    from swaserve.server.http.shutdown import GracefulServer
 
-    server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/shutdown.py)
+    server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/http/shutdown.py)
 
     def on_load_error(e: BaseException) -> None:
         server.should_exit = True
 
     state.on_load_error = on_load_error
-    from swaserve.server.chat_worker import start_workers
+    from swaserve.server.chat.worker import start_workers
 
     state.on_loaded = start_workers  # chat rendering's worker processes, before the first request
     logger.info("swaserve listening on http://%s:%d (model loading in the background; /health is 503 until "

@@ -93,13 +93,13 @@ class _EngineCollector(Collector):
             yield hits
         tier = stats.get("kv_tier")
         if tier:  # the second KV tier: promotions, pages and bytes moved, records
-            yield counter("kv_tier_promotions", "Admissions that promoted KV pages from the offload tier.",
+            yield counter("kv_tier_promotions", "Admissions that promoted KV pages from the second KV tier.",
                           tier["promotions"])
             moved = CounterMetricFamily(PREFIX + "kv_tier_pages",
-                                        "KV pages moved to (written) and from (read) the offload tier.",
+                                        "KV pages moved to (written) and from (read) the second KV tier.",
                                         labels=["model_name", "op", "kind"])
             nbytes = CounterMetricFamily(PREFIX + "kv_tier_bytes",
-                                         "Bytes moved to and from the offload tier.",
+                                         "Bytes moved to and from the second KV tier.",
                                          labels=["model_name", "op"])
             for op in ("written", "read"):
                 for kind in ("full", "swa"):
@@ -107,23 +107,23 @@ class _EngineCollector(Collector):
                 nbytes.add_metric([model, op], float(tier[f"bytes_{op}"]))
             yield moved
             yield nbytes
-            yield counter("kv_tier_rejected_records", "Offload-tier records that failed verification (torn, "
+            yield counter("kv_tier_rejected_records", "KV-tier records that failed verification (torn, "
                           "corrupt or stale) and were not served.", tier["rejected"])
-            yield counter("kv_tier_dropped_records", "Offload-tier records dropped to make room.",
+            yield counter("kv_tier_dropped_records", "KV-tier records dropped to make room.",
                           tier["dropped"])
             usage = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes",
-                                      "Offload-tier bytes held and its capacity.",
+                                      "KV-tier bytes held and its capacity.",
                                       labels=["model_name", "state"])
             usage.add_metric([model, "used"], float(tier["bytes"]))
             usage.add_metric([model, "capacity"], float(tier["capacity_bytes"]))
             yield usage
-            if "host_hits" in tier:  # its host level and background thread (engine/attention/kv_host.py)
+            if "host_hits" in tier:  # its host level and background thread (engine/kvcache/tier/host.py)
                 yield from _tier_levels(tier, model)
 
 
 def _tier_levels(tier: dict[str, Any], model: str) -> Iterator[Any]:
     labels = ["model_name"]
-    reads = CounterMetricFamily(PREFIX + "kv_tier_level_reads", "Offload-tier pages promoted, by the level "
+    reads = CounterMetricFamily(PREFIX + "kv_tier_level_reads", "KV-tier pages promoted, by the level "
                                 "they came from (host: a plain copy; disk: read and verified).",
                                 labels=["model_name", "level"])
     reads.add_metric([model, "host"], float(tier["host_hits"]))
@@ -135,20 +135,20 @@ def _tier_levels(tier: dict[str, Any], model: str) -> Iterator[Any]:
                         ("cancelled", "fetch_cancelled"), ("timed_out", "fetch_timeouts")):
         fetches.add_metric([model, result], float(tier[key]))
     yield fetches
-    sync = CounterMetricFamily(PREFIX + "kv_tier_sync_writes", "Offload-tier pages written inside the step "
+    sync = CounterMetricFamily(PREFIX + "kv_tier_sync_writes", "KV-tier pages written inside the step "
                                "because every host frame was waiting for the disk.", labels=labels)
     sync.add_metric([model], float(tier["sync_writes"]))
     yield sync
-    pending = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "Offload-tier pages in host memory "
+    pending = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "KV-tier pages in host memory "
                                 "waiting for the background writer.", labels=labels)
     pending.add_metric([model], float(tier["pending_writes"]))
     yield pending
-    host = GaugeMetricFamily(PREFIX + "kv_tier_host_bytes", "The offload tier's host level: bytes held and "
+    host = GaugeMetricFamily(PREFIX + "kv_tier_host_bytes", "The second KV tier's host level: bytes held and "
                              "its capacity.", labels=["model_name", "state"])
     host.add_metric([model, "used"], float(tier["host_bytes"]))
     host.add_metric([model, "capacity"], float(tier["host_capacity_bytes"]))
     yield host
-    pinned = GaugeMetricFamily(PREFIX + "kv_tier_pinned_records", "Offload-tier records pinned in the host "
+    pinned = GaugeMetricFamily(PREFIX + "kv_tier_pinned_records", "KV-tier records pinned in the host "
                                "level for requests waiting in the queue.", labels=labels)
     pinned.add_metric([model], float(tier.get("pinned_records", 0)))
     yield pinned

@@ -11,17 +11,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swaserve.server.errors import APIError
-from swaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.metrics import Metrics
 from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 
 if TYPE_CHECKING:
-    from swaserve.engine.async_engine import AsyncEngine
-    from swaserve.engine.chat_template import ChatTemplate
-    from swaserve.engine.engine_process import EngineClient
-
     # what the routes drive: the engine on a thread of this process, or in its own process
-    ServedEngine = AsyncEngine | EngineClient
+    from swaserve.engine.client.base import EngineClient
+    from swaserve.engine.text.chat_template import ChatTemplate
 
 logger = logging.getLogger("swaserve.server")
 
@@ -41,7 +38,7 @@ class ServerConfig:
     max_stop_sequences: int = DEFAULT_MAX_STOP  # stop strings per request (OpenAI: 4)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
     disable_docs: bool = False  # no /openapi.json
-    ui: bool = False  # --ui: the inspector page at GET / (server/routes_ui.py)
+    ui: bool = False  # --ui: the inspector page at GET / (server/ui/route.py)
 
 
 _frozen = False
@@ -62,10 +59,10 @@ def freeze_startup_heap() -> None:
 class ServerState:
     """Holds the engine once loaded; routes call .ready_engine() which raises 503 while loading."""
 
-    def __init__(self, cfg: ServerConfig, engine: ServedEngine | None,
-                 loader: Callable[[], ServedEngine] | None = None):
+    def __init__(self, cfg: ServerConfig, engine: EngineClient | None,
+                 loader: Callable[[], EngineClient] | None = None):
         self.cfg = cfg
-        self.engine: ServedEngine | None = engine
+        self.engine: EngineClient | None = engine
         self.loader = loader
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -75,7 +72,7 @@ class ServerState:
         self._template: ChatTemplate | None = None
         self._thread: threading.Thread | None = None
         self.owns_engine = engine is None
-        self.draining = False  # set once by start_draining(); read by server/worker_api.py's gate
+        self.draining = False  # set once by start_draining(); read by server/fleet/replica_api.py's gate
         if engine is not None:
             engine.log_requests = False  # the server writes the one INFO line per request
 
@@ -128,17 +125,14 @@ class ServerState:
 
     def shutdown(self) -> None:
         if self.owns_engine:  # `swaserve serve`: this process ends with its app
-            from swaserve.server.offload import stop_processes
+            from swaserve.server.off_loop import stop_processes
 
             stop_processes()
             if self.engine is not None:
-                self.engine.shutdown()
-                close = getattr(self.engine, "close", None)  # AsyncEngine: the core's KV tier sealed, joined
-                if close is not None:
-                    close()
+                self.engine.close()  # AsyncEngine: also the core's KV tier sealed, joined
 
     # --- accessors -----------------------------------------------------------------------------
-    def ready_engine(self) -> ServedEngine:
+    def ready_engine(self) -> EngineClient:
         if self.engine is not None:
             return self.engine
         if self.load_error is not None:
@@ -163,14 +157,13 @@ class ServerState:
         """--chat-template, else the GGUF's; 400 when there is neither."""
         return self._template_of(self.ready_engine())
 
-    def _template_of(self, engine: ServedEngine) -> ChatTemplate:
+    def _template_of(self, engine: EngineClient) -> ChatTemplate:
         if self.cfg.chat_template is not None:
             if self._template is None:
-                from swaserve.engine.chat_template import ChatTemplate
+                from swaserve.engine.text.chat_template import build_chat_template
 
-                self._template = ChatTemplate(self.cfg.chat_template, engine.tokenizer,
-                                              name="the --chat-template template",
-                                              limits=getattr(engine, "render_limits", None))
+                self._template = build_chat_template(self.cfg.chat_template, engine.tokenizer,
+                                                     engine.render_limits, "the --chat-template template")
             return self._template
         if engine.chat_template is None:
             raise APIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF); "
@@ -179,7 +172,7 @@ class ServerState:
 
     def sampling_defaults(self) -> dict[str, float]:
         """What a request that sets no sampling field gets (server/params.py)."""
-        gguf = dict(getattr(self.engine, "generation_defaults", None) or {})
+        gguf = dict(self.engine.generation_defaults) if self.engine is not None else {}
         return merge_defaults(gguf, dict(self.cfg.default_sampling))
 
     def stats(self) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The layout rules: one installed name (`swaserve`), imports that run one way, no import circles, and a
-cache and scheduler that import no heavy library. Read from the source (every import statement,
-lazy and TYPE_CHECKING ones included) and checked by importing in a fresh interpreter."""
+cache and scheduler that import no heavy library (the KV tier's byte movers excepted). Read from the source
+(every import statement, lazy and TYPE_CHECKING ones included) and checked by importing in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -112,10 +113,47 @@ def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+HEAVY = {"torch", "triton", "transformers", "fastapi", "numpy", "jinja2", "gguf"}
+LIGHT = ("swaserve.engine.kvcache", "swaserve.engine.scheduler")  # packages that import no heavy library
+# ... but for the KV tier's byte movers, the only exception: they copy pages with torch
+BYTE_MOVERS = {f"swaserve.engine.kvcache.tier.{m}" for m in ("host", "file", "copies", "build")}
+
+
+def _heavy_chain(module: str) -> list[str]:
+    """An import chain from `module` through swaserve modules to a HEAVY library ([]: none)."""
+    via = {module: [module]}  # module reached -> the chain to it
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        for i in GRAPH[m]:
+            if i.split(".")[0] in HEAVY:
+                return [*via[m], i]
+            if i in MODULES and i not in via:
+                via[i] = [*via[m], i]
+                todo.append(i)
+    return []
+
+
+def test_cache_and_scheduler_source_imports_no_heavy_library() -> None:
+    """Every import in the source (lazy ones too) of engine/kvcache and engine/scheduler stays clear of
+    HEAVY, directly or through the other swaserve modules it reaches; the tier's byte movers excepted."""
+    assert BYTE_MOVERS <= set(MODULES), f"named exceptions that do not exist: {BYTE_MOVERS - set(MODULES)}"
+    light = {m for m in MODULES if any(m == pkg or m.startswith(pkg + ".") for pkg in LIGHT)} - BYTE_MOVERS
+    assert {"swaserve.engine.kvcache.base", "swaserve.engine.kvcache.tier.promotion"} <= light
+    bad = []
+    for m in sorted(light):
+        for i in GRAPH[m]:
+            if i.split(".")[0] in HEAVY:
+                bad.append(f"{m} imports {i}")
+            elif i in MODULES and i not in light and (chain := _heavy_chain(i)):
+                bad.append(f"{m} imports " + " -> ".join(chain))
+    assert not bad, "engine/kvcache or engine/scheduler imports a heavy library:\n" + "\n".join(bad)
+
+
 def test_cache_and_scheduler_import_no_heavy_library(tmp_path: Path) -> None:
     code = ("import sys, swaserve.engine.kvcache, swaserve.engine.scheduler\n"
-            "heavy = {'torch', 'triton', 'transformers', 'fastapi', 'numpy', 'jinja2', 'gguf'}\n"
-            "print(sorted(heavy & set(sys.modules)))")
+            f"heavy = {sorted(HEAVY)!r}\n"
+            "print(sorted(set(heavy) & set(sys.modules)))")
     p = _run(code, tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]", f"engine/kvcache or engine/scheduler pulls in {p.stdout.strip()}"

@@ -15,7 +15,7 @@ from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, 
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.quant.triton_q4 import check_triton_device
 from swaserve.engine.quant.triton_q4 import dot_f32 as use_dot_f32
-from swaserve.engine.staging import pack_to_device
+from swaserve.engine.runner.staging import pack_to_device
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -197,7 +197,7 @@ def _decode_reduce_kernel(
 
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills
-# (python -m tools.triton_aot prints registers and stack per configuration).
+# (python -m tools.gpu_check.triton_aot prints registers and stack per configuration).
 def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None = None
                         ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x the group's G heads, BLOCK_N, num_warps, num_stages) for the

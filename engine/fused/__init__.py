@@ -1,2 +1,2 @@
-"""Device-picking model ops: fused Triton kernels on CUDA (and in the interpreter when asked), the
-plain torch ops elsewhere. The model calls these instead of choosing a path itself."""
+"""The device path's generic pieces: Triton kernels (norm_kernels, moe_kernels), the device-kernels switch
+and linear (ops), the weight forms made at load (weights). models/gemma4_fused.py wires them into a layer."""

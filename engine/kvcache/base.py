@@ -13,6 +13,13 @@ Caller protocol (engine/scheduler/kv_manager.py follows it):
     where you dropped the SWA KV) for pages you own. Adopt r.full_pages / r.swa_pages, lock
     r.handle, unlock the old handle. Pages of [0, r.inserted_len) now belong to the cache.
   * at finish: insert(..., finished=True), unlock, free your pages of [r.inserted_len, ...).
+
+The second KV tier (engine/kvcache/tier/): a cache may keep one (`tier`, attached with set_tier on an
+empty cache). Its evictions then write the pages a later request can use there, and KVManager.admit
+promotes from it (engine/kvcache/tier/promotion.py) through the tier walk: window_start, probe,
+reuse_end, pin_prefix, besides match / insert / unlock. Invariant: tier is not None only on a cache that
+implements the tier walk. The base class's set_tier refuses a tier and its walk methods raise, so a
+cache that keeps no tier (the naive cache) overrides neither.
 """
 
 from __future__ import annotations
@@ -20,7 +27,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swaserve.engine.config import CacheConfig
+    from swaserve.engine.kvcache.allocator import PagePool
+
+from swaserve.engine.kvcache.tier.index import KVTier
 
 
 class CacheHandle:
@@ -48,6 +61,16 @@ class InsertResult:
 
 class PrefixCache(ABC):
     """A paged prefix cache over the full-attention and SWA page pools."""
+
+    page_size: int  # tokens per page
+    tier: KVTier | None = None  # the second tier evictions write to and promotion reads; None: none
+
+    @classmethod
+    @abstractmethod
+    def create(cls, cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
+               swa_alloc: PagePool) -> PrefixCache:
+        """Build from the engine's cache settings (`--cache-type` names the class: PREFIX_CACHES in
+        engine/kvcache/__init__.py); each cache takes the settings it uses."""
 
     @property
     @abstractmethod
@@ -113,3 +136,31 @@ class PrefixCache(ABC):
     def reset(self) -> None:
         """Drop everything cached (RuntimeError while a handle is locked); every page returns to its
         allocator."""
+
+    # ---- the second tier (see the module docstring) ------------------------------------------------
+    def set_tier(self, tier: KVTier | None) -> None:
+        """Write the pages evicted from now on that a later request can use to `tier` (None: none).
+        ValueError here: this cache keeps no second tier."""
+        if tier is not None:
+            raise ValueError(f"{type(self).__name__} keeps no second KV tier")
+
+    def window_start(self, k: int) -> int:
+        """First page of the window that reuse at page boundary k needs (its SWA KV must be live):
+        the pages of [k * page_size - window, k * page_size)."""
+        raise NotImplementedError
+
+    def probe(self, token_ids: Sequence[int], max_pages: int
+              ) -> tuple[list[int], list[int | None], list[bytes]]:
+        """The cache's pages along token_ids' path, at most max_pages: full ids, SWA ids (None where
+        evicted) and, with a tier, their keys (engine/kvcache/tier/index.py's chain_keys). Changes nothing."""
+        raise NotImplementedError
+
+    def reuse_end(self, swa: list[int | None], k: int) -> int:
+        """Largest k' <= k whose window pages [window_start(k'), k') are all live in `swa` (SWA ids
+        as probe returns them)."""
+        raise NotImplementedError
+
+    def pin_prefix(self, token_ids: Sequence[int], pages: int) -> CacheHandle:
+        """Lock the handle at page `pages` (0 < pages, the cache holds them) of token_ids' path: its
+        full pages and its last window stay until unlock()."""
+        raise NotImplementedError

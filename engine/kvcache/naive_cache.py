@@ -4,10 +4,13 @@ against). It keeps no pages: every page stays the request's own until the reques
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
+
+if TYPE_CHECKING:
+    from swaserve.engine.config import CacheConfig
 
 
 class NaiveCache(PrefixCache):
@@ -15,6 +18,11 @@ class NaiveCache(PrefixCache):
     stays the caller's); insert(finished=True) frees the caller's pages of [0, floor(len / page_size)
     * page_size) and reports them as inserted, so the caller frees exactly its pages from
     inserted_len on, as with any cache."""
+
+    @classmethod
+    def create(cls, cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
+               swa_alloc: PagePool) -> NaiveCache:
+        return cls(cache_cfg.page_size, full_alloc, swa_alloc)
 
     def __init__(self, page_size: int, full_alloc: PagePool, swa_alloc: PagePool):
         if page_size < 1:

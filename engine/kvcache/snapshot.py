@@ -2,7 +2,7 @@
 request's reuse stopped where it did, and the pools' usage over time. Pure Python, no torch.
 
 Every read of a cache node goes through the accessors at the top of this module, so a change of the
-node's attributes (engine/kvcache/node.py) is a one-place fix here.
+node's attributes (engine/kvcache/radix/node.py) is a one-place fix here.
 
 Cost model: a walk over every node costs microseconds per node in Python (tens of milliseconds at 10k
 nodes on a loaded 2-core machine), far above the 1 ms a step may be held up. So `walk_state` is a

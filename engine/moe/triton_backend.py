@@ -227,7 +227,7 @@ def resident_experts(w: QWeight, device: torch.device) -> QWeight:
 class TritonMoE(MoEBackend):
     """All experts resident on the device; one fused gate_up + down pass per layer."""
 
-    graph_safe = True  # no host work in forward: a decode step can be captured (engine/cuda_graphs.py)
+    graph_safe = True  # no host work in forward: a decode step can be captured (engine/runner/cuda_graphs.py)
 
     def __init__(self, cfg: ModelConfig, experts: list[ExpertWeights], device: torch.device | str = "cuda",
                  block_m: int | None = None):

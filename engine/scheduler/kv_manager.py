@@ -7,6 +7,8 @@ Invariants after every public call:
   * swa_pages entries of [max(0, num_computed - window), ...) are live; request-owned SWA pages that
     fall fully before num_computed - window are freed (set to None) unless inserted into the cache;
   * used pages of a pool == pages the running requests own (see used_pages()).
+With a second KV tier (PrefixCache.tier), admission first promotes what the prompt can reuse from it
+(engine/kvcache/tier/promotion.py, with pages from alloc_pages).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from collections.abc import Callable
 
 from swaserve.engine.core import Req
 from swaserve.engine.kvcache import Arena, ArenaPages, Match, PagePool, PrefixCache
-from swaserve.engine.kvcache.tier import KVTier
-from swaserve.engine.scheduler.promote import prefetch, promote
+from swaserve.engine.kvcache.tier import promotion
+from swaserve.engine.kvcache.tier.index import KVTier
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -24,6 +26,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVManager:
+    """The pages of running requests over the two pools and the prefix cache (see the module docstring).
+
+    Public: admit / prefetch / unadmit (admission), grow / drop_out_of_window (a running request's pages),
+    cache_prefix / release (handing KV to the cache), alloc_pages / free_pages / make_room (pool pages,
+    evicting cached ones when short; promotion allocates through them too), used_pages."""
+
     def __init__(self, cache: PrefixCache, full_alloc: PagePool, swa_alloc: PagePool,
                  page_size: int, window: int):
         self.cache = cache
@@ -38,8 +46,9 @@ class KVManager:
 
     @property
     def tier(self) -> KVTier | None:
-        """The second tier the cache writes evicted pages to (None: no tier)."""
-        return getattr(self.cache, "tier", None)
+        """The cache's second tier (PrefixCache.tier: evicted pages go there, admission promotes from it;
+        None: no tier)."""
+        return self.cache.tier
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
@@ -48,7 +57,7 @@ class KVManager:
         assert req.handle is None and not req.full_pages
         gained = 0
         if self.tier is not None:
-            gained = promote(self, req.token_ids)
+            gained = promotion.promote(self.cache, req.token_ids, self.alloc_pages, self.free_pages)
             self.tier.unpin(req)  # what its prefetch pinned is in the tree now (or was read from the file)
         m = self.cache.match(req.token_ids)
         if req.cached_tokens is None:  # the part of the reported reuse the tier served
@@ -69,7 +78,7 @@ class KVManager:
         """The request entered the queue: the tier may start reading what its admission will promote (pinned
         in its host level for req until admit or release)."""
         if self.tier is not None:
-            prefetch(self, req.token_ids, owner=req)
+            promotion.prefetch(self.cache, req.token_ids, owner=req)
 
     def unadmit(self, req: Req) -> None:
         """Undo admit() for a request that got no pages of its own."""
@@ -78,6 +87,31 @@ class KVManager:
         self._reset(req)
 
     # ---- allocation -----------------------------------------------------------------------
+    def alloc_pages(self, full: int, swa: int) -> tuple[list[int], list[int]] | None:
+        """`full` full-attention and `swa` SWA pages (full ids, SWA ids), evicting cached pages when a
+        kind is short (see make_room); None, with nothing allocated, when either cannot be had. One
+        arena: SWA pages first (they need whole blocks; full pages also fit in partly used ones)."""
+        arena = self.arena is not None
+        kinds = [(self.swa_alloc, swa), (self.full_alloc, full)] if arena else \
+            [(self.full_alloc, full), (self.swa_alloc, swa)]
+        got: list[list[int]] = []
+        for alloc, n in kinds:
+            pages = self._alloc(alloc, n)
+            if pages is None:
+                for (a, _), p in zip(kinds, got):
+                    if p:
+                        a.free(p)
+                return None
+            got.append(pages)
+        return (got[1], got[0]) if arena else (got[0], got[1])
+
+    def free_pages(self, full: list[int], swa: list[int]) -> None:
+        """Give pages alloc_pages handed out (and no cache or request holds) back to their pools."""
+        if full:
+            self.full_alloc.free(full)
+        if swa:
+            self.swa_alloc.free(swa)
+
     def _alloc(self, alloc: PagePool, n: int) -> list[int] | None:
         """n pages of one kind, evicting cached pages when the kind is short (see make_room)."""
         if n <= 0:
@@ -142,18 +176,10 @@ class KVManager:
         need = _cdiv(new_len, self.page_size) - len(req.full_pages)
         if need <= 0:
             return True
-        # an arena: SWA pages first (they need whole blocks; full pages also fit in partly used ones)
-        arena = self.arena is not None
-        kinds = [self.swa_alloc, self.full_alloc] if arena else [self.full_alloc, self.swa_alloc]
-        got: list[list[int]] = []
-        for alloc in kinds:
-            pages = self._alloc(alloc, need)
-            if pages is None:
-                for a, p in zip(kinds, got):
-                    a.free(p)
-                return False
-            got.append(pages)
-        full, swa = (got[1], got[0]) if arena else (got[0], got[1])
+        got = self.alloc_pages(need, need)
+        if got is None:
+            return False
+        full, swa = got
         req.full_pages.extend(full)
         req.swa_pages.extend(swa)
         return True

@@ -1,27 +1,11 @@
-"""Building the scheduler's Req objects from a request (validation of lengths included)."""
+"""Building the scheduler's Req objects from a request (its lengths checked: engine/validation.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from swaserve.engine.core import Req, RequestError, SamplingParams
-
-
-def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) -> int:
-    """Validate the prompt and max_tokens against the context; returns the max total length."""
-    if prompt_len == 0:
-        raise RequestError("the prompt is empty", "prompt")
-    if prompt_len >= context_length:
-        raise RequestError(
-            f"the prompt has {prompt_len} tokens, which does not leave room for any completion within "
-            f"the context length of {context_length} tokens")
-    if params.max_tokens is None:
-        return context_length
-    if prompt_len + params.max_tokens > context_length:
-        raise RequestError(
-            f"this model's context length is {context_length} tokens, but {prompt_len + params.max_tokens} "
-            f"were requested ({prompt_len} in the prompt, {params.max_tokens} in max_tokens)", "max_tokens")
-    return prompt_len + params.max_tokens
+from swaserve.engine.core import Req, SamplingParams
+from swaserve.engine.validation import check_lengths
 
 
 def choice_seed(base: int, index: int) -> int:

@@ -45,7 +45,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self.prefix_offload_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
+        self.prefix_tier_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
 
     # ---- requests in / out ------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -151,7 +151,7 @@ class Scheduler:
                 req.cached_tokens = min(reused, req.prompt_len)
                 self.prefix_query_tokens += req.prompt_len
                 self.prefix_hit_tokens += req.cached_tokens
-                self.prefix_offload_hit_tokens += req.offload_cached
+                self.prefix_tier_hit_tokens += req.offload_cached
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             self.running.sort(key=lambda r: r.arrival_seq)

@@ -1,6 +1,7 @@
 """bench/cache_sim.py: the retention invariant on every row of smaller traces (lazy with anchors never
 loses to its ablations), the multi-turn targets on the full-size trace, KV correctness of the
-simulation (the fake model checks every read), and the command line."""
+simulation (the fake model checks every read), and the command line (`python -m swaserve.bench.cache_sim`
+and `swaserve bench cache`)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,17 @@ def test_arena_serves_correct_kv_and_matches_split_memory(workload: str) -> None
         shared = simulate(workload, trace, "lazy", windows, arena_geo, check=True)
         assert shared.memory == "arena" and split.memory == "split"
         assert shared.reused_tokens >= split.reused_tokens, (windows, shared, split)
+
+
+def test_swaserve_bench_cache(capsys) -> None:
+    """`swaserve bench cache` is the same command: its --help lists the flags, a bad flag is exit 2."""
+    from swaserve.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "cache", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: swaserve bench cache")
+    for flag in ("--workload", "--policy", "--windows", "--concurrency", "--arena", "--check", "--json"):
+        assert flag in out
+    assert cli_main(["bench", "cache", "--concurrency", "0"]) == 2
+    assert "--concurrency must be at least 1" in capsys.readouterr().err

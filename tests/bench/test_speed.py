@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from swaserve.bench.speed import add_speed_args, format_table, peer_available, run_speed
-from swaserve.models.tiny import demo_model_path
+from swaserve.models.demo.tiny import demo_model_path
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """engine/args.py: flags built from the config fields, one bounded-number validator, both config builders;
-engine/registry.py: backend names and auto rules; --cpu-matmul reaching the linears."""
+engine/registry.py: backend and prefix-cache names and auto rules; --cpu-matmul reaching the linears."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from swaserve.engine.args import (
 )
 from swaserve.engine.attention import ATTENTION_BACKENDS, get_attention_backend
 from swaserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from swaserve.engine.kvcache import PREFIX_CACHES, NaiveCache, PageAllocator, SWARadixCache
 from swaserve.engine.moe import MOE_BACKENDS
 
 
@@ -91,8 +92,23 @@ def test_backend_registries() -> None:
         get_attention_backend("nope", torch.device("cpu"))
 
 
+def test_cache_type_registry() -> None:
+    assert PREFIX_CACHES.choices == ("radix", "naive")  # no "auto"
+    assert engine_config_from_args(_parse("--cache-type", "naive")).cache.cache_type == "naive"
+    with pytest.raises(SystemExit):
+        _parse("--cache-type", "auto")
+    cfg = CacheConfig(page_size=4, swa_retain_budget=64, swa_retain_policy="eager")
+    full, swa = PageAllocator(8), PageAllocator(8)
+    radix = PREFIX_CACHES.load("radix").create(cfg, 32, full, swa)
+    assert isinstance(radix, SWARadixCache) and (radix.window, radix.swa_retain_tokens) == (32, 64)
+    assert radix.retain_policy == "eager"
+    assert isinstance(PREFIX_CACHES.load("naive").create(cfg, 32, full, swa), NaiveCache)
+    with pytest.raises(ValueError, match="unknown prefix cache backend 'nope'"):
+        PREFIX_CACHES.load("nope")
+
+
 def test_cpu_matmul_reaches_the_model_and_moe() -> None:
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     bundle = load_model(engine_config_from_kwargs(None, device="cpu", cpu_matmul="fast"), progress=False)
     assert bundle.model.cpu_matmul == "fast" and bundle.model.moe.cpu_matmul == "fast"
@@ -101,7 +117,7 @@ def test_cpu_matmul_reaches_the_model_and_moe() -> None:
 
 def test_native_path_picks_the_native_attention_and_glue() -> None:
     from swaserve.engine.quant import native
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     if not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")

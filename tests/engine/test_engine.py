@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swaserve.engine.async_engine import AsyncEngine
+from swaserve.engine.client.in_process import AsyncEngine
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.llm import LLM
 
@@ -227,7 +227,7 @@ def test_n_choices_logprobs_and_stats(radix, prompts):
 
 
 def test_text_stream_holds_back_and_cuts(radix):
-    from swaserve.engine.text_stream import TextStream
+    from swaserve.engine.text.text_stream import TextStream
 
     tok = radix.tokenizer
     text = "hello world, this is the end of it"

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType, quants
 
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.engine.quant.linear import expert_slice, linear
-from swaserve.models import tiny_writer
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.models.demo import tiny_writer
+from swaserve.models.demo.tiny import RawTensor, preset_config, random_tensors, write_gguf
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 from swaserve.models.gguf_loader import GGUFError, load_gguf, read_metadata
-from swaserve.models.tiny import RawTensor, preset_config, random_tensors, write_gguf
 from tests.models.hf_oracle import LAYER_FIELDS
 
 
@@ -128,7 +128,7 @@ def test_separate_gate_up_accepted(tmp_path, cfg, tensors, tok_meta) -> None:
 def test_every_block_type_kept_in_stored_form(tmp_path, cfg, tensors, tok_meta, qtype: str) -> None:
     """Each block type stays a view of the file's bytes, in every role it fits at tiny geometry (the
     K types need 256-column rows: the full layer's o_proj), and dequantizes exactly as gguf does."""
-    from swaserve.models.random_blocks import random_blocks
+    from swaserve.models.demo.random_blocks import random_blocks
 
     rng = np.random.default_rng(0)
     super_block = qtype.endswith("_K") or qtype == "IQ4_XS"
@@ -275,9 +275,9 @@ def test_progress_bar(tmp_path, cfg, tensors, tok_meta, capsys) -> None:
 def test_small_preset_resident_memory(tmp_path, qtype: str, embed_qtype: str | None) -> None:
     """RSS after loading `small` <= 1.2 x file size + 300 MB (measured in a fresh process), for every
     llama.cpp mix: every matrix stays a view of the file mapping, nothing is converted at load."""
+    from swaserve.models.demo.quant_mix import tensor_types
+    from swaserve.models.demo.tiny import LazyTensors, fit_vocab
     from swaserve.models.gemma4_layout import tensor_shapes
-    from swaserve.models.quant_mix import tensor_types
-    from swaserve.models.tiny import LazyTensors, fit_vocab
 
     cfg = preset_config("small")
     types = tensor_types(tensor_shapes(cfg), qtype, embed_qtype)

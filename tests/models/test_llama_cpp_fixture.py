@@ -1,6 +1,7 @@
 """swaserve's GGUF writer and loader checked against llama.cpp, not only against each other (and gguf-py).
 
-tests/data/tiny-llamacpp-q4_0.gguf was written by llama.cpp's quantizer (`python -m tools.llama_cpp_fixture`)
+tests/data/tiny-llamacpp-q4_0.gguf was written by llama.cpp's quantizer (`python -m
+tools.models.llama_cpp_fixture`)
 from the `tiny` preset (seed 0) written in F32 by swaserve: llama.cpp's GGUF writer laid it out, and its
 Q4_0 / Q8_0 blocks (it keeps some tensors at Q8_0: K/V projections, the token embedding whose rows are
 too short for Q6_K) come from llama.cpp's C quantizer. The first tests need nothing but the fixture; the
@@ -24,8 +25,8 @@ import torch
 from swaserve.engine.core import SamplingParams
 from swaserve.engine.quant.dequant import dequantize
 from swaserve.llm import LLM
+from swaserve.models.demo.tiny import make_model
 from swaserve.models.gguf_loader import load_gguf
-from swaserve.models.tiny import make_model
 
 FIXTURE = Path(__file__).resolve().parent.parent / "data" / "tiny-llamacpp-q4_0.gguf"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from swaserve.engine.quant import native_k
-from swaserve.models.tiny import make_model
-from swaserve.tools.cpu_accuracy import score
-from swaserve.tools.trunc_gguf import truncate
+from swaserve.models.demo.tiny import make_model
+from swaserve.tools.cpu.accuracy import score
+from swaserve.tools.models.trunc_gguf import truncate
 
 pytestmark = pytest.mark.skipif(not native_k.available(),
                                 reason=f"native kernels: {native_k.why_unavailable()}")

@@ -11,9 +11,9 @@ import torch
 
 from swaserve.engine.attention.torch_backend import TorchAttentionBackend
 from swaserve.engine.moe import get_moe_backend
+from swaserve.models.demo.tiny import write_gguf
 from swaserve.models.gemma4 import Gemma4Model
 from swaserve.models.gguf_loader import load_gguf
-from swaserve.models.tiny import write_gguf
 from tests.models.hf_oracle import (
     PagedRunner,
     build_hf_model,

@@ -1,4 +1,5 @@
-"""models/quant_mix.py (llama.cpp's per-tensor type rules for gemma4) and models/random_blocks.py."""
+"""models/demo/quant_mix.py (llama.cpp's per-tensor type rules for gemma4) and
+models/demo/random_blocks.py."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 from swaserve.engine.quant.formats import dequantize_blocks
+from swaserve.models.demo.quant_mix import BLOCK_QTYPES, QTYPE_CHOICES, fit, tensor_types, use_more_bits
+from swaserve.models.demo.random_blocks import random_blocks
+from swaserve.models.demo.tiny import preset_config
 from swaserve.models.gemma4_layout import tensor_shapes
-from swaserve.models.quant_mix import BLOCK_QTYPES, QTYPE_CHOICES, fit, tensor_types, use_more_bits
-from swaserve.models.random_blocks import random_blocks
-from swaserve.models.tiny import preset_config
 
 MORE_BITS_30 = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}  # use_more_bits(i, 30), by hand
 MORE_BITS_25 = {0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23, 24}  # over the 25 attn_v tensors

@@ -12,7 +12,7 @@ import torch
 
 from swaserve.engine.quant.base import QWeight
 from swaserve.llm import LLM
-from swaserve.models.tiny import demo_model_path
+from swaserve.models.demo.tiny import demo_model_path
 
 
 @pytest.fixture(scope="module")

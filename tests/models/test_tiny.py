@@ -1,4 +1,5 @@
-"""models/tiny.py: presets, the random-model GGUF writer (llama.cpp gemma4 layout), make-model, demo model."""
+"""models/demo/tiny.py: presets, the random-model GGUF writer (llama.cpp gemma4 layout), make-model, demo
+model."""
 
 from __future__ import annotations
 
@@ -12,11 +13,8 @@ import numpy as np
 import pytest
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
-from swaserve.models.gemma4_layout import tensor_shapes
-from swaserve.models.gguf_loader import load_gguf
-from swaserve.models.quant_mix import tensor_types
-from swaserve.models.tiny import (
+from swaserve.models.demo.quant_mix import tensor_types
+from swaserve.models.demo.tiny import (
     LazyTensors,
     RawTensor,
     add_make_model_args,
@@ -27,6 +25,9 @@ from swaserve.models.tiny import (
     random_tensors,
     run_make_model,
 )
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
+from swaserve.models.gemma4_layout import tensor_shapes
+from swaserve.models.gguf_loader import load_gguf
 
 # every gemma4.* key that llama.cpp's gemma4 loader reads
 GEMMA4_KEYS = [

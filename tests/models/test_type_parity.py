@@ -1,5 +1,5 @@
 """Parity with transformers for every stored GGUF type and llama.cpp mix: a random Gemma 4 written as
-random blocks of the type (models/random_blocks.py), loaded by our loader and run in its stored form,
+random blocks of the type (models/demo/random_blocks.py), loaded by our loader and run in its stored form,
 against transformers given the weights the *file* defines (decoded by gguf's numpy code from the
 file's bytes, not from our loader). Forced sequence of 121 tokens: the chosen token's log-probability
 at each of the 120 positions, and the argmax.
@@ -20,11 +20,11 @@ from swaserve.engine.config import ModelConfig
 from swaserve.engine.moe import get_moe_backend
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.dequant import dequantize
+from swaserve.models.demo.quant_mix import BLOCK_QTYPES, tensor_types
+from swaserve.models.demo.tiny import LazyTensors, write_gguf
 from swaserve.models.gemma4 import Gemma4Model
 from swaserve.models.gemma4_layout import tensor_shapes
 from swaserve.models.gguf_loader import load_gguf
-from swaserve.models.quant_mix import BLOCK_QTYPES, tensor_types
-from swaserve.models.tiny import LazyTensors, write_gguf
 from tests.models.hf_oracle import PagedRunner, build_hf_model, file_weights_into_hf, hf_config_for, hf_logits
 
 PARITY = ModelConfig(

@@ -23,9 +23,9 @@ def serve_args(*extra: str) -> Any:
 
 @pytest.fixture(scope="session")
 def rel_engine() -> Iterator[Any]:
-    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.client.in_process import AsyncEngine
     from swaserve.engine.engine import Engine
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     cfg = engine_config_from_args(serve_args())
     eng = AsyncEngine(Engine(cfg, load_model(cfg, progress=False)))

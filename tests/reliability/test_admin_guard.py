@@ -1,4 +1,4 @@
-"""Host / Origin checks on the admin routes without an API key (server/admin_guard.py): a cross-site POST
+"""Host / Origin checks on the admin routes without an API key (server/http/admin_guard.py): a cross-site POST
 and a DNS-rebinding Host are refused with a 403 envelope; loopback names, --host and --allowed-hosts are
 allowed; with a key the key decides; inference routes are not affected."""
 

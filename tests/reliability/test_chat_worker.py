@@ -1,4 +1,4 @@
-"""A large chat body (server/chat_worker.py LARGE_BODY_BYTES) is parsed, validated, walked and planned in a
+"""A large chat body (server/chat/worker.py LARGE_BODY_BYTES) is parsed, validated, walked and planned in a
 worker process and comes back cut to its last message: the answers are the ones the ordinary path gives
 the same request. The large path is reached by padding the same JSON with whitespace."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from swaserve.server import chat_worker
+from swaserve.server.chat import worker as chat_worker
 
 PAD = b" " * (chat_worker.LARGE_BODY_BYTES + 1)
 

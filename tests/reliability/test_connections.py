@@ -1,4 +1,5 @@
-"""Connection limits (server/connections.py) on a live uvicorn: silent, half-sent-header and half-sent-body
+"""Connection limits (server/http/connections.py) on a live uvicorn: silent, half-sent-header and
+half-sent-body
 connections are closed after --request-read-timeout (408), a request being generated is not; past
 --max-connections a connection gets a 503 envelope at once; one log line when refusing starts and one when
 it ends, whatever the number of attempts."""
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from swaserve.server.app import build_app
-from swaserve.server.connections import ConnectionPolicy
+from swaserve.server.http.connections import ConnectionPolicy
 from swaserve.server.launch import server_config_from_args
 from tests.reliability.conftest import serve_args
 from tests.server.conftest import LiveServer

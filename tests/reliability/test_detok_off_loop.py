@@ -1,7 +1,7 @@
 """Logprob and echo text is detokenized off the event loop (issue 14 item 2): a tokenizer whose decode and
 token_bytes record where they run sees no call on a thread running an event loop while completions and
 chat requests with logprobs (top alternatives included) and echo are served, streamed and not; the calls
-that name the top alternatives happen on the worker pool (server/offload.py)."""
+that name the top alternatives happen on the worker pool (server/off_loop.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from swaserve.server import common
+from swaserve.server import logprobs
 
 
 def _on_loop() -> bool:
@@ -40,7 +40,7 @@ def recorded(rel_engine: Any, monkeypatch: Any) -> list[tuple[str, bool, tuple[i
 
     monkeypatch.setattr(tok, "decode", rec_decode)
     monkeypatch.setattr(tok, "token_bytes", rec_token_bytes)
-    monkeypatch.setattr(common, "_TOKEN_TEXTS", type(common._TOKEN_TEXTS)())  # nothing memoised yet
+    monkeypatch.setattr(logprobs, "_TOKEN_TEXTS", type(logprobs._TOKEN_TEXTS)())  # nothing memoised yet
     return calls
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from swaserve.server import routes_chat, routes_completions
+from swaserve.server import completions as routes_completions
+from swaserve.server.chat import route as routes_chat
 
 
 def _request(path: str, body: dict) -> bytes:

@@ -117,7 +117,7 @@ def test_async_engine_raises_request_failed_for_the_poisoned_request_only(llm: L
     """Through the asynchronous front the failed request raises RequestFailed; the other completes."""
     import asyncio
 
-    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.client.in_process import AsyncEngine
     from swaserve.engine.core import RequestFailed
 
     eng = AsyncEngine(llm.engine)

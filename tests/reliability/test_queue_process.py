@@ -1,7 +1,7 @@
 """`--max-queued-requests` counts choices (prompts x n) with the engine in its own process, as `swaserve
-serve` runs it (EngineClient; tests/reliability/test_inputs.py covers the in-process engine): 3 prompts x
-n=16 at a limit of 4 is a 503, and choices still in transit to the engine process (sent, not yet taken: the
-engine process is stopped with SIGSTOP to hold them there) count against the limit too."""
+serve` runs it (EngineProcessClient; tests/reliability/test_inputs.py covers the in-process engine): 3
+prompts x n=16 at a limit of 4 is a 503, and choices still in transit to the engine process (sent, not yet
+taken: the engine process is stopped with SIGSTOP to hold them there) count against the limit too."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from swaserve.engine.args import engine_config_from_args
-from swaserve.engine.engine_process import EngineClient
+from swaserve.engine.client.process import EngineProcessClient
 from swaserve.server.app import build_app
 from swaserve.server.launch import build_engine_core, server_config_from_args
 from tests.reliability.conftest import serve_args
@@ -26,9 +26,9 @@ from tests.server.conftest import LiveServer
 
 
 @pytest.fixture(scope="module")
-def proc_queue() -> Iterator[tuple[LiveServer, EngineClient]]:
+def proc_queue() -> Iterator[tuple[LiveServer, EngineProcessClient]]:
     args = serve_args("--max-queued-requests", "4")
-    eng = EngineClient(build_engine_core, engine_config_from_args(args), start_timeout=600)
+    eng = EngineProcessClient(build_engine_core, engine_config_from_args(args), start_timeout=600)
     s = LiveServer(build_app(eng, server_config_from_args(args)))
     yield s, eng
     s.stop()
@@ -55,7 +55,7 @@ def test_queue_limit_counts_choices_through_the_engine_process(proc_queue: Any) 
 def test_choices_in_transit_count(proc_queue: Any) -> None:
     s, eng = proc_queue
     pid = eng._process.pid
-    sent = eng._sent
+    sent = eng._inflight.sent
     held: dict[str, httpx.Response] = {}
 
     def post_held() -> None:
@@ -67,7 +67,7 @@ def test_choices_in_transit_count(proc_queue: Any) -> None:
         t = threading.Thread(target=post_held)
         t.start()
         deadline = time.monotonic() + 30
-        while eng._sent < sent + 2:
+        while eng._inflight.sent < sent + 2:
             assert time.monotonic() < deadline, "the held request was not submitted"
             time.sleep(0.01)
         assert eng.stats()["waiting"] >= 2  # submissions, counted by the client while in transit

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from swaserve import cli
-from swaserve.engine import template_sandbox
 from swaserve.engine.args import engine_config_from_args
-from swaserve.engine.chat_template import ChatTemplate
-from swaserve.engine.template_sandbox import RenderLimit, RenderLimits
-from swaserve.engine.tokenizer import Tokenizer
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.text import template_sandbox
+from swaserve.engine.text.chat_template import ChatTemplate
+from swaserve.engine.text.template_sandbox import RenderLimit, RenderLimits
+from swaserve.engine.text.tokenizer import Tokenizer
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 from swaserve.server.app import build_app
 from swaserve.server.launch import server_config_from_args
 from tests.reliability.test_limits import assert_envelope
@@ -98,9 +98,9 @@ def test_bad_values_from_the_offline_api_are_refused(kw: dict[str, Any]) -> None
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory: Any) -> Iterator[LiveServer]:
-    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.client.in_process import AsyncEngine
     from swaserve.engine.engine import Engine
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     tpl = tmp_path_factory.mktemp("tpl") / "budget.jinja"
     tpl.write_text(TEMPLATE)

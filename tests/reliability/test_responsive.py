@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
-from swaserve.server.fleet import free_port
-from swaserve.server.fleet_procs import Child
+from swaserve.server.fleet.launch import free_port
+from swaserve.server.fleet.procs import Child
 from tests.reliability.conftest import POOL_ARGS
 
 # loops 10^10 times on one input; renders the conversation otherwise

@@ -1,6 +1,6 @@
 """Every sampling field of a request reaches the sampler: each field set to a value no default has, on
 /v1/completions, /v1/chat/completions and /v1/responses, and the rows the model runner hands to the
-sampler (recorded by wrapping engine/model_runner.py's sample_isolated) carry exactly those values, the
+sampler (recorded by wrapping engine/runner/model_runner.py's sample_isolated) carry exactly those values, the
 prompt for the repetition penalty, the output for the other penalties, the stop ids while min_tokens
 is not reached, and a generator seeded from the request's seed."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from swaserve.engine import model_runner
-from swaserve.engine.sampling import make_generator
+from swaserve.engine.runner import model_runner
+from swaserve.engine.runner.sampling import make_generator
 
 FIELDS = {"temperature": 0.7, "top_p": 0.83, "top_k": 7, "min_p": 0.11, "presence_penalty": 0.3,
           "frequency_penalty": 0.4, "repetition_penalty": 1.2, "seed": 1234}

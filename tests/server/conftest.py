@@ -70,9 +70,9 @@ def serve_args(*extra: str) -> Any:
 
 
 def make_engine(*extra: str) -> Any:
-    from swaserve.engine.async_engine import AsyncEngine
+    from swaserve.engine.client.in_process import AsyncEngine
     from swaserve.engine.engine import Engine
-    from swaserve.models.registry import load_model
+    from swaserve.models.architectures import load_model
 
     # as `swaserve serve` does: one core left to the HTTP thread (see server/launch.py)
     threads = str(max(1, (os.cpu_count() or 1) - 1))

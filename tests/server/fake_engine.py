@@ -1,4 +1,5 @@
-"""A scripted stand-in for engine.Engine (same contract), for failure injection in server tests.
+"""A scripted stand-in for an engine front (engine/client/base.py: EngineClient), for failure injection in
+server tests.
 
 It uses the real demo tokenizer and chat template; generation replays `reply` (text, tokenized) or emits
 deterministic tokens, and can raise mid-stream (`fail_after`) or refuse work (`overloaded`).
@@ -10,10 +11,11 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from swaserve.engine.chat_template import ChatTemplate
 from swaserve.engine.core import EngineOverloaded, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from swaserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.text.chat_template import ChatTemplate
+from swaserve.engine.text.template_sandbox import RenderLimits
+from swaserve.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 
 
 class FakeEngine:
@@ -24,7 +26,9 @@ class FakeEngine:
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.chat_template = (ChatTemplate(meta["tokenizer.chat_template"], self.tokenizer) if chat_template
                               else None)
+        self.render_limits = RenderLimits()
         self.generation_defaults: dict[str, float] = {}
+        self.log_requests = False
         self.context_length = context_length
         self.reply: str | None = None
         self.reply_ids: list[int] | None = None  # replayed as is (text spelled with any tokens)
@@ -43,11 +47,17 @@ class FakeEngine:
     def shutdown(self) -> None:
         pass
 
+    def close(self) -> None:
+        self.shutdown()
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
     async def flush_cache(self) -> bool:
         return not self.running
+
+    async def cache_state(self, top_n: int = 64) -> dict[str, Any]:
+        return {"nodes": []}  # no prefix cache
 
     def stats(self) -> dict[str, Any]:
         pool = {"total": 100, "free": 100 - len(self.running), "used": len(self.running), "cached": 0,

@@ -1,7 +1,7 @@
 """Large bodies are validated in slices (server/sliced_validation.py) with the one-call result: the same
 model, and on bad input the same errors (type, message, location shifted to the whole list) in the same
 order; bodies it does not cover fall back. Long prompts are tokenized without holding the GIL
-(engine/tokenizer.py) with the same ids and offsets."""
+(engine/text/tokenizer.py) with the same ids and offsets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from swaserve.engine.tokenizer import Tokenizer
-from swaserve.models.demo_tokenizer import demo_tokenizer_metadata
+from swaserve.engine.text.tokenizer import Tokenizer
+from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 from swaserve.server import sliced_validation
 from swaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from swaserve.server.sliced_validation import SlicedValidationError, validate_sliced
@@ -73,7 +73,7 @@ def test_not_covered_falls_back(monkeypatch: Any) -> None:
 
 
 def test_long_text_encodes_the_same_without_holding_the_gil() -> None:
-    from swaserve.engine import tokenizer as tk
+    from swaserve.engine.text import tokenizer as tk
 
     tiny_tokenizer = Tokenizer.from_metadata(demo_tokenizer_metadata())
 

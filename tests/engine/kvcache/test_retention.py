@@ -1,4 +1,4 @@
-"""The retention rules (engine/kvcache/retention.py), one scenario each: redundant windows first, the
+"""The retention rules (engine/kvcache/radix/retention.py), one scenario each: redundant windows first, the
 finished sequence end outliving the older anchors of its conversation, a stable subset under
 round-robin pressure, reuse history carried by ghosts and by a conversation's next turn, branch points
 remembered after their siblings are evicted. The property tests check the same rules against the

@@ -112,7 +112,7 @@ def test_walk_matches_brute_force(seed):
 
 
 def _ranges(nd, lo, hi):
-    from swaserve.engine.kvcache.node import path_ranges
+    from swaserve.engine.kvcache.radix.node import path_ranges
 
     return list(path_ranges(nd, lo, hi))
 

@@ -11,7 +11,7 @@ from swaserve.engine.moe.base import ExpertWeights
 from swaserve.engine.moe.cpu_backend import CpuMoE
 from swaserve.engine.quant import native
 from swaserve.engine.quant.base import QWeight
-from swaserve.models.random_blocks import random_blocks
+from swaserve.models.demo.random_blocks import random_blocks
 from tests.engine.moe.moe_cases import make_cfg, make_layers, new_seed, routing
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")

@@ -1,5 +1,5 @@
 """engine/quant/native_ops: the decoder layer's native glue against the torch ops it replaces
-(models/gemma4.py's rms_norm / apply_rope and the layer tail), to fp32 rounding."""
+(models/gemma4_ops.py's rms_norm / apply_rope and the layer tail), to fp32 rounding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swaserve.engine.quant import native, native_ops
-from swaserve.models.gemma4 import apply_rope, rms_norm
+from swaserve.models.gemma4_ops import apply_rope, rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 EPS = 1e-6

@@ -49,7 +49,7 @@ def stored(qtype: str, shape: tuple[int, ...], seed: int, sane: bool = False
     rng = np.random.default_rng(seed)
     elems = block_format(qtype).block_elems
     if sane:
-        from swaserve.models.random_blocks import random_blocks as model_blocks
+        from swaserve.models.demo.random_blocks import random_blocks as model_blocks
 
         raw = model_blocks(qtype, shape, 0.05, rng)
     else:

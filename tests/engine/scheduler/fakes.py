@@ -106,6 +106,8 @@ class _Node:
 
 
 class RefCache:
+    tier = None  # no second KV tier (PrefixCache.tier)
+
     def __init__(self, page_size, window, full_alloc, swa_alloc):
         self.P, self.W = page_size, window
         self.full_alloc, self.swa_alloc = full_alloc, swa_alloc

@@ -1,0 +1,74 @@
+"""GGUF architecture name -> loader and model builder; `load_model` builds the bundle the engine runs.
+
+The file is mapped and parsed once (`open_gguf`): its `general.architecture` picks the entry, whose
+loader reads the same opened file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swaserve.engine.config import EngineConfig
+from swaserve.engine.model_api import CausalLM, ModelBundle, resolve_device
+from swaserve.models.gguf_loader import GGUFError, GGUFFile, LoadedModel, load_gemma4, open_gguf
+
+log = logging.getLogger("swaserve.models")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    load: Callable[[GGUFFile, bool], LoadedModel]  # (opened file, progress) -> config, weights, metadata
+    build: Callable[[LoadedModel, EngineConfig, torch.device], CausalLM]
+
+
+def _build_gemma4(loaded: LoadedModel, cfg: EngineConfig, device: torch.device) -> CausalLM:
+    from swaserve.engine.attention import get_attention_backend
+    from swaserve.engine.moe import get_moe_backend
+    from swaserve.models.gemma4 import Gemma4Model
+
+    act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    attn_name = cfg.attention_backend
+    if attn_name == "auto" and device.type == "cpu" and cfg.cpu_matmul == "native":
+        from swaserve.engine.quant import native
+
+        attn_name = "native" if native.available() else "torch"  # decode attention from the pool
+    attn = get_attention_backend(attn_name, device)
+    moe = get_moe_backend(cfg.moe_backend, loaded.config, loaded.weights.experts, device, cfg.moe_cache_size,
+                          cfg.cpu_matmul)
+    return Gemma4Model(loaded.config, loaded.weights, attn, moe, device, act_dtype, cfg.cpu_matmul)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gemma4": Architecture(load=load_gemma4, build=_build_gemma4),
+}
+
+
+def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
+    """Load cfg.model_path (None = the built-in demo model) and build it on cfg.device."""
+    path = cfg.model_path
+    if path is None:
+        from swaserve.models.demo.tiny import demo_model_path
+
+        path = demo_model_path()
+    file = open_gguf(path)
+    arch_name = file.architecture
+    arch = ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
+                        f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    device = resolve_device(cfg.device)
+    t0 = time.monotonic()
+    log.info("loading %s", path)
+    loaded = arch.load(file, progress)
+    model = arch.build(loaded, cfg, device)
+    name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
+    log.info("model %s built in %.1fs (%s, device %s)", name, time.monotonic() - t0, arch_name, device)
+    meta: dict[str, Any] = loaded.metadata
+    return ModelBundle(model=model, config=loaded.config, metadata=meta, name=name, path=path, device=device)

@@ -1,0 +1,181 @@
+"""POST /v1/completions: a string or token-id prompt, or a list of them (streamed and not)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from swaserve.engine.core import RequestOutput
+from swaserve.server.body import json_body
+from swaserve.server.errors import bad_request
+from swaserve.server.leniency import check_fields
+from swaserve.server.logprobs import TokenText, completion_logprobs
+from swaserve.server.off_loop import run_cpu
+from swaserve.server.params import build_params
+from swaserve.server.protocol import CompletionRequest
+from swaserve.server.route_ctx import RouteCtx
+from swaserve.server.state import ServerState
+from swaserve.server.streaming import OutputStream
+from swaserve.server.tracking import RequestTracker, tracked
+from swaserve.server.usage import usage_dict
+
+router = APIRouter()
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """[(token ids, prompt text for echo)]."""
+    p = req.prompt
+    items: list[str | list[int]]
+    if isinstance(p, str):
+        items = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            ids = tokenizer.encode(item, add_bos=not item.startswith(tokenizer.id_to_piece(tokenizer.bos_id)))
+            out.append((ids, item))
+        else:
+            if not item:
+                raise bad_request(f"prompt[{i}] has no tokens", "prompt")
+            bad = [t for t in item if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size "
+                                  f"{tokenizer.vocab_size})", "prompt")
+            out.append((list(item), tokenizer.decode(item, skip_special_tokens=False)))
+    return out
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    offset: int = 0
+    logprobs: dict[str, list[Any]] | None = None
+
+
+@router.post("/v1/completions")
+async def completions(body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
+                      request: Request) -> Response:
+    state: ServerState = request.app.state.swa
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return await tracked(state, rid, lambda tracker: _complete(state, body, request, rid, tracker))
+
+
+async def _complete(state: ServerState, req: CompletionRequest, request: Request, rid: str,
+                    tracker: RequestTracker) -> Response:
+    await run_cpu(check_fields, req, state.cfg.strict_requests, rid)  # walks every message
+    engine = state.ready_engine()
+    model = state.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+    prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
+    params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
+                          state.sampling_defaults(), {"top_logprobs": "logprobs"},
+                          max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)
+    gens = []
+    for i, (ids, _) in enumerate(prompts):
+        sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+        gens.append((sub, engine.generate(sub, ids, params)))
+    stream = OutputStream(engine, gens)
+    ctx = _Ctx(state, req, rid, model, prompts, TokenText(engine.tokenizer), tracker)
+    return await ctx.respond(stream, request)
+
+
+class _Ctx(RouteCtx):
+    chunk_object = "text_completion"
+
+    def __init__(self, state: ServerState, req: CompletionRequest, rid: str, model: str,
+                 prompts: list[tuple[list[int], str]], token_text: TokenText, tracker: RequestTracker):
+        super().__init__(state, req, rid, model, tracker)
+        self.prompts, self.token_text = prompts, token_text
+        self.choices: dict[int, _Choice] = {}
+        for p, (ids, text) in enumerate(prompts):
+            for j in range(req.n):
+                c = _Choice(prompt_tokens=len(ids))
+                if req.echo:
+                    c.offset = len(text)
+                self.choices[p * req.n + j] = c
+
+    def apply(self, p: int, out: RequestOutput) -> tuple[int, str, dict[str, Any] | None]:
+        """Feed one output of prompt p; returns (choice index, text delta, logprobs delta)."""
+        self.tracker.on_output(p, out)
+        idx = p * self.req.n + out.index
+        c = self.choices[idx]
+        echo = ""
+        if self.req.echo and not c.text and not c.completion_tokens:
+            echo = self.prompts[p][1]
+        c.text += out.text
+        c.prompt_tokens = out.prompt_tokens
+        c.cached_tokens = out.cached_tokens
+        c.completion_tokens = out.completion_tokens
+        lps = None
+        if self.req.logprobs is not None and out.logprobs:
+            lps = completion_logprobs(out.logprobs, self.token_text, self.req.logprobs, c.offset)
+            c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1]) if lps["tokens"] else c.offset
+            if c.logprobs is None:
+                c.logprobs = {k: [] for k in lps}
+            for key, v in lps.items():
+                c.logprobs[key].extend(v)
+        if out.finished:
+            c.finish_reason = out.finish_reason
+        return idx, echo + out.text, lps
+
+    def _totals(self) -> tuple[int, int, int]:
+        prompt = sum(self.choices[p * self.req.n].prompt_tokens for p in range(len(self.prompts)))
+        cached = sum(self.choices[p * self.req.n].cached_tokens for p in range(len(self.prompts)))
+        completion = sum(c.completion_tokens for c in self.choices.values())
+        return prompt, cached, completion
+
+    def usage(self) -> dict[str, Any]:
+        prompt, cached, completion = self._totals()
+        return usage_dict(prompt, completion, cached, self.state.cfg.enable_cache_report)
+
+    def log_finish(self) -> None:
+        prompt, cached, completion = self._totals()
+        reasons = ",".join(sorted({str(c.finish_reason) for c in self.choices.values()}))
+        self.tracker.finish(prompt, cached, completion, reasons)
+
+    def final_body(self) -> dict[str, Any]:
+        out = []
+        for i, c in sorted(self.choices.items()):
+            text = (self.prompts[i // self.req.n][1] if self.req.echo else "") + c.text
+            lps = None
+            if self.req.logprobs is not None:
+                empty: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                "text_offset": []}
+                lps = c.logprobs or empty
+            out.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
+        self.log_finish()
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": out, "usage": self.usage()}
+
+    def collect(self, item: tuple[int, RequestOutput]) -> None:
+        self.apply(*item)
+
+    def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
+        p, out = item
+        idx, text, lps = self.apply(p, out)
+        if not (text or lps or out.finished):
+            return None
+        return {"index": idx, "text": text, "logprobs": lps,
+                "finish_reason": out.finish_reason if out.finished else None}
