@@ -29,6 +29,18 @@ class EngineClosed(RuntimeError):
     """The engine was closed (Engine.close()): it takes no more requests (the server answers 503)."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve now: its process died or froze and is being restarted (`code`
+    "engine_restarting"), or it is gone for good ("engine_dead"); the server answers 503 with `code`."""
+
+    def __init__(self, message: str, code: str = "engine_restarting"):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (EngineUnavailable, (str(self), self.code))
+
+
 class RequestFailed(RuntimeError):
     """One request failed while being served (the others go on); the server answers 500 with its id."""
 

@@ -125,17 +125,35 @@ class Engine:
         return reqs
 
     def add_reqs(self, reqs: list[Req]) -> None:
-        """Queue Reqs built by make_requests; RequestError when the request id is in use."""
+        """Queue Reqs built by make_requests; RequestError when the request id is in use. All or nothing:
+        when anything raises (a choice's text stream, the scheduler), no choice stays queued."""
         self._check_open()
         rid = reqs[0].request_id
         if rid in self._open:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        streams = [TextStream(self.tokenizer, r.params.stop, r.params.skip_special_tokens,
+                              r.params.mark_special_tokens, r.params.include_stop_str_in_output)
+                   for r in reqs]  # its stop strings and detokenizer: before anything is queued
         self._open[rid] = reqs
-        for r in reqs:
-            p = r.params
-            self._texts[r] = TextStream(self.tokenizer, p.stop, p.skip_special_tokens, p.mark_special_tokens,
-                                        p.include_stop_str_in_output)
-            self.scheduler.add(r)
+        try:
+            for r, text_stream in zip(reqs, streams):
+                self._texts[r] = text_stream
+                self.scheduler.add(r)
+        except BaseException:
+            self.discard(rid)
+            raise
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request at once, with no output (its submission failed halfway): every choice
+        already queued finishes with 'abort' and releases its pages."""
+        for r in self._open.pop(request_id, []):
+            self._texts.pop(r, None)
+            r.grammar = None
+            if r in self.scheduler.waiting or r in self.scheduler.running:
+                try:
+                    self.scheduler.finish(r, "abort")
+                except Exception:  # noqa: BLE001 - keep forgetting the others
+                    log.exception("releasing %s failed", r.rid)
 
     def abort(self, request_id: str) -> None:
         """Abort every choice of a request; its pages are released on the next step."""
@@ -159,7 +177,10 @@ class Engine:
         batch, aborted = self.scheduler.schedule()
         outs: list[RequestOutput] = []
         for r in aborted:
-            outs.extend(self._finish_output(r, [], []))
+            try:
+                outs.extend(self._finish_output(r, [], []))
+            except Exception as e:  # noqa: BLE001 - flushing this request's held-back text: it fails alone
+                outs.extend(self._fail_request(r, e))
         if batch is None:
             return outs
         t1 = time.perf_counter()
@@ -248,14 +269,15 @@ class Engine:
     def _finish_output(self, req: Req, new_ids: list[int], lps: list[TokenLogprob], text: str = "",
                        flush: bool = True) -> list[RequestOutput]:
         req.grammar = None  # the matcher is freed with the request (finished, stopped or aborted)
-        text_stream = self._texts.pop(req, None)
+        text_stream = self._texts.get(req)
         if text_stream is None:
             return []
-        if flush:
+        if flush:  # when this raises the stream stays: _fail_request ends the choice with its error
             more, matched = text_stream.finish()
             text += more
             if matched is not None:
                 req.finish_reason, req.matched_stop = "stop", matched
+        del self._texts[req]
         req.finish_time = time.monotonic()
         out = RequestOutput(req.request_id, req.index, text, new_ids, lps or None, True, req.finish_reason,
                             req.prompt_len, req.cached_tokens or 0, req.output_len, req.matched_stop)

@@ -13,7 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.core import EngineClosed, EngineOverloaded, RequestError, RequestFailed
+from swaserve.engine.core import (
+    EngineClosed,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestError,
+    RequestFailed,
+)
 
 logger = logging.getLogger("swaserve.server")
 
@@ -61,6 +67,8 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(400, str(e), e.param)
     if isinstance(e, EngineOverloaded):
         return APIError(503, str(e) or "the server is overloaded; retry later", None, "overloaded")
+    if isinstance(e, EngineUnavailable):  # the engine process died or froze: restarting, or gone
+        return APIError(503, str(e), None, e.code)
     if isinstance(e, EngineClosed):
         return APIError(503, str(e), None, "shutting_down")
     known = getattr(e, "_swaserve_api_error", None)  # one id per exception, however often it is mapped
@@ -158,4 +166,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestError, on_other)
     app.add_exception_handler(EngineOverloaded, on_other)
+    app.add_exception_handler(EngineUnavailable, on_other)  # a 503 answered here, not Starlette's last resort
     app.add_exception_handler(Exception, on_other)

@@ -92,6 +92,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine on a thread of the server's process instead of its own process "
                         "(debugging; the engine then gets all cores but one by default)")
+    from swaserve.engine.client.restart import add_restart_args
+
+    add_restart_args(p)  # --engine-restarts, --engine-heartbeat-timeout, --engine-stall-timeout
     v = p.add_argument_group("vLLM spellings (aliases)")
     v.add_argument("--max-model-len", dest="context_length", default=argparse.SUPPRESS,
                    type=bounded_number("--max-model-len", int, min=1), help="= --context-length")
@@ -241,11 +244,19 @@ def run_serve(args: argparse.Namespace) -> int:
     server_cfg = server_config_from_args(args)
     _check_bind(args.host, args.port)
 
+    engine_failure: list[str] = []  # the engine process failed past --engine-restarts: exit non-zero
+
+    def on_engine_failure(message: str) -> None:
+        engine_failure.append(message)
+        server.should_exit = True
+
     def load():
         if args.engine_process:
             from swaserve.engine.client.process import EngineProcessClient
+            from swaserve.engine.client.restart import restart_policy_from_args
 
-            return EngineProcessClient(build_engine_core, engine_cfg)
+            return EngineProcessClient(build_engine_core, engine_cfg, policy=restart_policy_from_args(args),
+                                       on_fatal=on_engine_failure)
         from swaserve.engine.client.in_process import AsyncEngine
 
         return AsyncEngine(build_engine_core(engine_cfg))
@@ -273,4 +284,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if isinstance(state.load_error, ValueError):
             raise state.load_error  # printed as one line by cli.py
         raise RuntimeError(f"model load failed: {state.load_error}") from state.load_error
+    if engine_failure:
+        logger.error("exiting with code 1: %s", engine_failure[0])
+        return 1
     return 0

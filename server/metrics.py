@@ -38,10 +38,20 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
-        if stats is None:
-            return
         model = self.model_name()
         labels = ["model_name"]
+        up = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine serves; 0 while it loads, is "
+                               "being restarted or is gone (its other numbers are then not reported).",
+                               labels=labels)
+        up.add_metric([model], 0.0 if stats is None else 1.0)
+        yield up
+        if stats is None:
+            return
+        if "engine_restarts" in stats:  # the engine process's front (engine/client/restart.py)
+            restarts = CounterMetricFamily(PREFIX + "engine_restarts", "Engine processes restarted after "
+                                           "one died or froze.", labels=labels)
+            restarts.add_metric([model], float(stats["engine_restarts"]))
+            yield restarts
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)

@@ -26,9 +26,7 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    state = _state(request)
-    if state.engine is None:
-        state.ready_engine()  # raises 503 (loading or failed)
+    _state(request).ready_engine()  # 503 while loading, after a failed load, while the engine restarts
     return JSONResponse({"status": "ok"})
 
 

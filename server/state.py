@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from swaserve.engine.core import EngineUnavailable
 from swaserve.server.errors import APIError
 from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.metrics import Metrics
@@ -133,7 +134,13 @@ class ServerState:
 
     # --- accessors -----------------------------------------------------------------------------
     def ready_engine(self) -> EngineClient:
+        """The engine, if it can serve now; else a 503: loading, failed to load, or its process is being
+        restarted (`engine_restarting`) or gone (`engine_dead`)."""
         if self.engine is not None:
+            try:
+                self.engine.check_available()
+            except EngineUnavailable as e:
+                raise APIError(503, str(e), None, e.code) from None
             return self.engine
         if self.load_error is not None:
             raise APIError(503, f"model failed to load: {self.load_error}", None, "load_failed")
@@ -176,4 +183,12 @@ class ServerState:
         return merge_defaults(gguf, dict(self.cfg.default_sampling))
 
     def stats(self) -> dict[str, Any] | None:
-        return self.engine.stats() if self.engine is not None else None
+        """The engine's stats; None while it loads or cannot serve (a dead engine's numbers are not
+        reported as live)."""
+        if self.engine is None:
+            return None
+        try:
+            self.engine.check_available()
+        except EngineUnavailable:
+            return None
+        return self.engine.stats()

@@ -29,6 +29,11 @@ class EngineClient(Protocol):
         """Start serving (idempotent)."""
         ...
 
+    def check_available(self) -> None:
+        """Raise EngineUnavailable (a 503 with its code) while the engine cannot serve: its process is
+        being restarted, or is gone (engine/client/restart.py)."""
+        ...
+
     def close(self) -> None:
         """Stop serving and release what the front owns (idempotent); for the one that built it."""
         ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from swaserve.engine.client.loop import EngineLoop
 from swaserve.engine.client.messages import AbortRequest, AddReqs, CacheState, FlushCache, Stop
 from swaserve.engine.client.output_stream import Inflight, read_choices
-from swaserve.engine.core import RequestOutput, SamplingParams
+from swaserve.engine.core import EngineUnavailable, RequestOutput, SamplingParams
 from swaserve.engine.engine import Engine
 
 
@@ -41,6 +42,7 @@ class AsyncEngine:
         self._inflight.last_stats = self._loop.stats()
         self._step_lock = self._loop.step_lock
         self._thread: threading.Thread | None = None
+        self._dead = False  # the loop's thread raised
 
     @property
     def log_requests(self) -> bool:
@@ -54,8 +56,25 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._loop.run, name="swaserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="swaserve-engine", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run()
+        except BaseException:  # noqa: BLE001 - a bug in the loop itself: nothing answers its requests now
+            logging.getLogger("swaserve.engine").exception("the engine loop died")
+            self._dead = True
+            self._inflight.close(self._unavailable)
+
+    def _unavailable(self) -> EngineUnavailable:
+        return EngineUnavailable("the engine loop died (the server log has the traceback); restart the "
+                                 "server", "engine_dead")
+
+    def check_available(self) -> None:
+        """EngineUnavailable once the engine loop's thread died (in one process nothing restarts it)."""
+        if self._dead:
+            raise self._unavailable()
 
     def shutdown(self) -> None:
         if self._thread is None:

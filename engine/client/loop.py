@@ -25,6 +25,7 @@ from swaserve.engine.client.messages import (
     CallFailed,
     Command,
     Failed,
+    FailedRequest,
     FlushCache,
     Rejected,
     Reply,
@@ -51,6 +52,8 @@ class EngineLoop:
         self.step_lock = threading.Lock()  # held around each step and the stats taken after it
         self.walks = SlicedCalls()  # cache_state walks, advanced between steps (0.25 ms budget a slice)
         self.taken = 0  # seq of the last submission applied (a front counts the ones still in transit)
+        self.turns = 0  # loop turns so far, and whether a step runs: read by the heartbeat (heartbeat.py)
+        self.in_step = False
 
     def put(self, msg: Command) -> None:
         """Queue a message for the loop (any thread)."""
@@ -65,6 +68,7 @@ class EngineLoop:
         """Apply messages, advance walks and step, until a Stop; a failed step fails the requests in
         flight (one Failed), and the loop goes on."""
         while self._drain():
+            self.turns += 1
             if self.walks:
                 self.walks.advance()
             if not self.core.has_work():
@@ -75,12 +79,15 @@ class EngineLoop:
                 continue
             failed: Failed | None = None
             with self.step_lock:
+                self.in_step = True
                 try:
                     outs: list[RequestOutput] = self.core.step()
                 except Exception as e:  # the engine lives on
                     log.exception("engine step failed")
                     failed = Failed(self.core.fail_all(), f"engine error: {e}")
                     outs = []
+                finally:
+                    self.in_step = False
                 stats = self.stats()
             if failed is not None:
                 self.emit(failed)
@@ -104,31 +111,54 @@ class EngineLoop:
         return True
 
     def _apply(self, msg: Command) -> None:
+        """Apply one message; whatever a request's add or abort raises fails that request alone."""
+        match msg:
+            case AddRequest() | AddReqs() | AbortRequest():
+                rid = msg.reqs[0].request_id if isinstance(msg, AddReqs) else msg.request_id
+                try:
+                    self._apply_request(msg)
+                except RequestError as e:  # bad input the core found: a 400 for this request
+                    self.emit(Rejected(rid, str(e), e.param))
+                except Exception as e:  # noqa: BLE001 - its own data broke something: it fails alone
+                    log.exception("request %s failed while being applied", rid)
+                    self._drop(rid)
+                    self.emit(FailedRequest(rid, f"{type(e).__name__}: {e}"))
+            case FlushCache():
+                self._flush(msg)
+            case CacheState():
+                try:
+                    walk = self.core.cache_state_walk(msg.top_n)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    self.emit(CallFailed(msg.call_id, e))
+                else:
+                    self.walks.add(walk, self._answer(msg.call_id))
+
+    def _apply_request(self, msg: AddRequest | AddReqs | AbortRequest) -> None:
         core = self.core
         match msg:
             case AddRequest():
                 self.taken = msg.seq
-                try:
-                    core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors)
-                except RequestError as e:  # this request alone
-                    self.emit(Rejected(msg.request_id, str(e), e.param))
+                core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors)
             case AddReqs():
                 self.taken = msg.seq
-                try:
-                    core.add_reqs(msg.reqs)
-                except RequestError as e:
-                    self.emit(Rejected(msg.reqs[0].request_id, str(e), e.param))
+                core.add_reqs(msg.reqs)
             case AbortRequest():
                 core.abort(msg.request_id)
-            case FlushCache():
-                try:
-                    done = core.flush_cache()
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    self.emit(CallFailed(msg.call_id, e, self.stats()))
-                else:
-                    self.emit(CallDone(msg.call_id, done, self.stats()))
-            case CacheState():
-                self.walks.add(core.cache_state_walk(msg.top_n), self._answer(msg.call_id))
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request whose message raised (Engine.discard); a failure here is only logged."""
+        try:
+            self.core.discard(request_id)
+        except Exception:  # noqa: BLE001 - the request is failed either way
+            log.exception("discarding request %s failed", request_id)
+
+    def _flush(self, msg: FlushCache) -> None:
+        try:
+            done = self.core.flush_cache()
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            self.emit(CallFailed(msg.call_id, e, self.stats()))
+        else:
+            self.emit(CallDone(msg.call_id, done, self.stats()))
 
     def _answer(self, call_id: int) -> Callable[[Any, BaseException | None], None]:
         """A SlicedCalls callback that replies to call `call_id`."""

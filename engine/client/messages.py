@@ -90,6 +90,15 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class FailedRequest:
+    """Applying one request's message raised something other than a RequestError (engine log: the
+    traceback): that request alone is dropped, and raises RequestFailed(message)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
 class CallDone:
     call_id: int
     value: Any
@@ -105,7 +114,7 @@ class CallFailed:
     stats: dict[str, Any] | None = None  # a flush's: taken after it, as CallDone's
 
 
-Reply = Stepped | Rejected | Failed | CallDone | CallFailed
+Reply = Stepped | Rejected | Failed | FailedRequest | CallDone | CallFailed
 
 
 def portable(reply: Reply) -> Reply:

@@ -13,7 +13,15 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from swaserve.engine.client.messages import CallDone, CallFailed, Failed, Rejected, Reply, Stepped
+from swaserve.engine.client.messages import (
+    CallDone,
+    CallFailed,
+    Failed,
+    FailedRequest,
+    Rejected,
+    Reply,
+    Stepped,
+)
 from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput
 
 Stream = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
@@ -31,6 +39,7 @@ class Inflight:
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # admission: check, count and submit as one
         self._abort = abort
+        self.closed: Callable[[], BaseException] | None = None  # close(): what admit() and new_call() raise
 
     # ---- the caller's side (an event loop) -------------------------------------------------------------
     def admit(self, request_id: str, choices: int, limit: int,
@@ -39,6 +48,8 @@ class Inflight:
         EngineOverloaded when the waiting choices (n per request), those in transit and its own would
         pass `limit` (--max-queued-requests)."""
         with self._lock:
+            if self.closed is not None:
+                raise self.closed()
             if request_id in self.streams:
                 raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             taken = self.last_stats.get("submitted", 0)
@@ -70,9 +81,20 @@ class Inflight:
         """An id and a future for a call the loop answers with CallDone / CallFailed."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        call_id = next(self._call_ids)
-        self.calls[call_id] = (loop, fut)
+        with self._lock:
+            if self.closed is not None:
+                raise self.closed()
+            call_id = next(self._call_ids)
+            self.calls[call_id] = (loop, fut)
         return call_id, fut
+
+    def close(self, error: Callable[[], BaseException]) -> None:
+        """The loop is gone: every open stream and pending call raises `error()` (one exception each),
+        and so does every later admit() or new_call(). Any thread; idempotent."""
+        with self._lock:
+            self.closed = error
+        self.fail_streams(error)
+        self.fail_calls(error)
 
     # ---- the receiving thread -----------------------------------------------------------------------------
     def handle(self, reply: Reply) -> None:
@@ -87,6 +109,9 @@ class Inflight:
             case Failed():
                 for rid in reply.request_ids:
                     self.deliver(rid, RuntimeError(reply.message))
+            case FailedRequest():
+                self.deliver(reply.request_id, RequestFailed(f"request {reply.request_id} failed in the "
+                                                             f"engine: {reply.message}"))
             case CallDone():
                 self.last_stats = reply.stats  # before the caller resumes: it may read stats() at once
                 self._resolve(reply.call_id, reply.value, None)
@@ -103,19 +128,22 @@ class Inflight:
             except RuntimeError:  # the consumer's event loop is gone
                 self._abort(request_id)
 
-    def fail_streams(self, exc: BaseException) -> None:
-        """Every open stream raises `exc` (the engine stopped): no more outputs will come."""
+    def fail_streams(self, exc: BaseException | Callable[[], BaseException]) -> None:
+        """Every open stream raises `exc` (or `exc()`, one each: the engine stopped): no more outputs
+        will come."""
         for rid in list(self.streams):
             s = self.streams.get(rid)
             if s is not None:
                 try:
-                    s[0].call_soon_threadsafe(s[1].put_nowait, exc)
+                    s[0].call_soon_threadsafe(s[1].put_nowait, exc() if callable(exc) else exc)
                 except RuntimeError:  # the consumer's event loop is gone
                     pass
 
-    def fail_calls(self, exc: BaseException) -> None:
-        for call_id in list(self.calls):
-            self._resolve(call_id, None, exc)
+    def fail_calls(self, exc: BaseException | Callable[[], BaseException]) -> None:
+        with self._lock:
+            pending = list(self.calls)
+        for call_id in pending:
+            self._resolve(call_id, None, exc() if callable(exc) else exc)
 
     def _resolve(self, call_id: int, value: Any, error: BaseException | None) -> None:
         entry = self.calls.pop(call_id, None)

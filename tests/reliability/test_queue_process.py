@@ -18,6 +18,7 @@ import pytest
 
 from swaserve.engine.args import engine_config_from_args
 from swaserve.engine.client.process import EngineProcessClient
+from swaserve.engine.client.restart import RestartPolicy
 from swaserve.server.app import build_app
 from swaserve.server.launch import build_engine_core, server_config_from_args
 from tests.reliability.conftest import serve_args
@@ -28,7 +29,9 @@ from tests.server.conftest import LiveServer
 @pytest.fixture(scope="module")
 def proc_queue() -> Iterator[tuple[LiveServer, EngineProcessClient]]:
     args = serve_args("--max-queued-requests", "4")
-    eng = EngineProcessClient(build_engine_core, engine_config_from_args(args), start_timeout=600)
+    # the test stops the engine process on purpose (SIGSTOP): no heartbeat timeout, or it would be restarted
+    eng = EngineProcessClient(build_engine_core, engine_config_from_args(args), start_timeout=600,
+                              policy=RestartPolicy(heartbeat_timeout_s=0))
     s = LiveServer(build_app(eng, server_config_from_args(args)))
     yield s, eng
     s.stop()
@@ -55,7 +58,7 @@ def test_queue_limit_counts_choices_through_the_engine_process(proc_queue: Any) 
 def test_choices_in_transit_count(proc_queue: Any) -> None:
     s, eng = proc_queue
     pid = eng._process.pid
-    sent = eng._inflight.sent
+    sent = eng._engine.inflight.sent
     held: dict[str, httpx.Response] = {}
 
     def post_held() -> None:
@@ -67,7 +70,7 @@ def test_choices_in_transit_count(proc_queue: Any) -> None:
         t = threading.Thread(target=post_held)
         t.start()
         deadline = time.monotonic() + 30
-        while eng._inflight.sent < sent + 2:
+        while eng._engine.inflight.sent < sent + 2:
             assert time.monotonic() < deadline, "the held request was not submitted"
             time.sleep(0.01)
         assert eng.stats()["waiting"] >= 2  # submissions, counted by the client while in transit

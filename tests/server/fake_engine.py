@@ -33,6 +33,8 @@ class FakeEngine:
         self.reply: str | None = None
         self.reply_ids: list[int] | None = None  # replayed as is (text spelled with any tokens)
         self.fail_after: int | None = None  # raise after this many outputs
+        self.fail_error: BaseException | None = None  # what fail_after raises (default RuntimeError)
+        self.down: BaseException | None = None  # what check_available() raises (an engine restarting)
         self.overloaded = False
         self.delay_s = 0.0
         self.running: set[str] = set()
@@ -43,6 +45,10 @@ class FakeEngine:
 
     def start(self) -> None:
         pass
+
+    def check_available(self) -> None:
+        if self.down is not None:
+            raise self.down
 
     def shutdown(self) -> None:
         pass
@@ -98,7 +104,7 @@ class FakeEngine:
                 for k, t in enumerate(toks):
                     await asyncio.sleep(self.delay_s)
                     if self.fail_after is not None and sent >= self.fail_after:
-                        raise RuntimeError("injected failure")
+                        raise self.fail_error or RuntimeError("injected failure")
                     last = k == len(toks) - 1
                     text = detok.push(t) + (detok.flush() if last else "")
                     lps = None

@@ -13,6 +13,7 @@ import pytest
 
 from swaserve.engine.args import engine_config_from_kwargs
 from swaserve.engine.client.process import EngineDied, EngineProcessClient
+from swaserve.engine.client.restart import RestartPolicy
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.core import RequestError, SamplingParams
 from swaserve.llm import LLM
@@ -134,7 +135,8 @@ def test_a_failed_load_raises_its_error():
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_dead_engine_fails_streams_instead_of_hanging():
-    c = EngineProcessClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600)
+    c = EngineProcessClient(build_demo_engine, engine_config_from_kwargs(None, **KW), start_timeout=600,
+                            policy=RestartPolicy(restarts=0))
     try:
         async def main():
             agen = c.generate("doomed", [2] + [13] * 50, greedy(2000))
