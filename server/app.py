@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from swaserve.server.chat.route import router as chat_router
 from swaserve.server.completions import router as completions_router
+from swaserve.server.embeddings import router as embeddings_router
 from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.fleet.replica_api import DrainGate
 from swaserve.server.fleet.replica_api import router as worker_router
@@ -25,7 +26,9 @@ from swaserve.server.http.auth import check_api_key
 from swaserve.server.http.limits import BodyLimit
 from swaserve.server.http.openapi_doc import install_openapi
 from swaserve.server.misc_routes import router as misc_router
+from swaserve.server.responses.retrieve import router as stored_responses_router
 from swaserve.server.responses.route import router as responses_router
+from swaserve.server.responses.store import ResponseStore
 from swaserve.server.state import ServerConfig, ServerState
 from swaserve.server.ui.route import router as ui_router
 
@@ -38,7 +41,7 @@ __all__ = ["ServerConfig", "ServerState", "build_app"]
 class _AuthMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware: it would interfere with streaming and disconnect detection)."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: Any, api_key: str | tuple[str, ...]):
         self.app = app
         self.api_key = api_key
 
@@ -77,18 +80,21 @@ def build_app(engine: EngineClient | Callable[[], EngineClient],
     app = FastAPI(title="swaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None if cfg.disable_docs else "/openapi.json")
     app.state.swa = state
+    app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_store_bytes)
     install_error_handlers(app)
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(embeddings_router)  # a 400 envelope: no embeddings from a generative model
     app.include_router(misc_router)
     app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
+    app.include_router(stored_responses_router)  # GET / DELETE /v1/responses/{id}
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
     install_openapi(app, ADMIN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+        app.add_middleware(_AuthMiddleware, api_key=(cfg.api_key, *cfg.more_api_keys))
     else:  # no key: admin POSTs only from this host's names / allowed origins (server/http/admin_guard.py)
         app.add_middleware(AdminGuard, allowed_hosts=cfg.allowed_hosts, allowed_origins=cfg.allowed_origins)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from swaserve.engine.core import RequestOutput
 from swaserve.server.body import json_body
 from swaserve.server.errors import bad_request
+from swaserve.server.guided import completion_grammar
 from swaserve.server.leniency import check_fields
 from swaserve.server.logprobs import TokenText, completion_logprobs
 from swaserve.server.off_loop import run_cpu
@@ -89,15 +90,18 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
     prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
+    grammar, grammar_param = completion_grammar(req)  # vLLM's guided_* / structured_outputs
+    rename = {"top_logprobs": "logprobs", "grammar": grammar_param or "grammar"}
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
-                          state.sampling_defaults(), {"top_logprobs": "logprobs"},
-                          max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)
+                          state.sampling_defaults(), rename, max_stop=state.cfg.max_stop_sequences,
+                          skip_special_tokens=req.skip_special_tokens, grammar=grammar)
     gens = []
     for i, (ids, _) in enumerate(prompts):
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
         gens.append((sub, engine.generate(sub, ids, params)))
     stream = OutputStream(engine, gens)
     ctx = _Ctx(state, req, rid, model, prompts, TokenText(engine.tokenizer), tracker)
+    ctx.param_rename = rename
     return await ctx.respond(stream, request)
 
 

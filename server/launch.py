@@ -17,6 +17,7 @@ from swaserve.server.app import build_app
 from swaserve.server.http.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
 from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
+from swaserve.server.responses.store import DEFAULT_STORE_BYTES, DEFAULT_STORE_SIZE
 from swaserve.server.state import ServerConfig
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
                         "(visible in `ps`: prefer --api-key-file or SWASERVE_API_KEY)")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="read the API key from FILE (its first line)")
+                   help="read the API key from FILE (its first line; further non-empty lines are more keys, "
+                        "each accepted, each with its own stored responses)")
     g.add_argument("--max-request-bytes", type=bounded_number("--max-request-bytes", int, min=1024),
                    default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies get 413 before parsing (default {DEFAULT_MAX_REQUEST_BYTES})")
@@ -83,6 +85,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="on SIGTERM, seconds running requests get to finish before they end with a 503 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 at once; exit code 0")
+    g.add_argument("--responses-store-size", type=bounded_number("--responses-store-size", int, min=0),
+                   default=DEFAULT_STORE_SIZE, metavar="N",
+                   help="/v1/responses made with store (the default) kept for previous_response_id and GET, "
+                        f"least recently used out; 0 keeps none (default {DEFAULT_STORE_SIZE})")
+    g.add_argument("--responses-store-bytes", type=bounded_number("--responses-store-bytes", int, min=0),
+                   default=DEFAULT_STORE_BYTES, metavar="BYTES",
+                   help=f"the stored responses' bound in bytes of JSON (default {DEFAULT_STORE_BYTES})")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (0 included) in every usage object")
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
@@ -181,6 +190,12 @@ def is_loopback(host: str) -> bool:
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
     """--api-key, else --api-key-file's first line, else $SWASERVE_API_KEY; ValueError when empty."""
+    return (api_keys_from_args(args) or (None,))[0]
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every key accepted: api_key_from_args's first, then --api-key-file's further non-empty lines."""
+    more: list[str] = []
     key = args.api_key
     if key is not None and not key.strip():
         raise ValueError("--api-key must not be empty")
@@ -189,6 +204,7 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
         try:
             with open(path, encoding="utf-8") as f:
                 key = f.readline().strip()
+                more = [line.strip() for line in f if line.strip()]
         except OSError as e:
             raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
         if not key:
@@ -199,17 +215,20 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
             key = env.strip()
             if not key:
                 raise ValueError("SWASERVE_API_KEY is set but empty")
-    return key
+    return () if key is None else tuple(dict.fromkeys([key, *more]))
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    api_key = api_key_from_args(args)
+    keys = api_keys_from_args(args)
     names = list(args.served_model_name or [])
     if any(not n.strip() for n in names):
         raise ValueError("--served-model-name must not be empty")
     defaults = parse_default_sampling(getattr(args, "default_sampling", None))
     return ServerConfig(served_model_name=names[0] if names else None, served_model_aliases=tuple(names[1:]),
-                        api_key=api_key, enable_cache_report=args.enable_cache_report,
+                        api_key=keys[0] if keys else None, more_api_keys=keys[1:],
+                        responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
+                        responses_store_bytes=getattr(args, "responses_store_bytes", DEFAULT_STORE_BYTES),
+                        enable_cache_report=args.enable_cache_report,
                         strict_requests=args.strict_requests, default_sampling=tuple(defaults.items()),
                         chat_template=_chat_template(args.chat_template),
                         allowed_origins=_origins(args.allowed_origins),

@@ -20,6 +20,10 @@ NO_OPS = frozenset({
     "prediction", "verbosity", "web_search_options", "stream_options.include_obfuscation",
     "messages.refusal", "messages.annotations", "messages.audio", "include", "truncation",
     "background", "reasoning.summary", "reasoning.generate_summary", "text.verbosity", "max_tool_calls",
+    # vLLM's structured-output options (server/guided.py): one grammar library here
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs.backend",
+    "structured_outputs.disable_fallback", "structured_outputs.disable_any_whitespace",
+    "structured_outputs.disable_additional_properties", "structured_outputs.whitespace_pattern",
 })
 _logged: set[str] = set()
 

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from swaserve.server.vllm_metrics import VllmCollector
+
 PREFIX = "swaserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -182,6 +184,10 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, registry=self.registry)
+        # vLLM's names for the same numbers, labelled model_name (server/vllm_metrics.py)
+        self.registry.register(VllmCollector(stats, model_name, {
+            "time_to_first_token_seconds": self.ttft, "inter_token_latency_seconds": self.itl,
+            "time_per_output_token_seconds": self.itl, "e2e_request_latency_seconds": self.e2e}))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

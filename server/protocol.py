@@ -134,6 +134,37 @@ class ResponseFormat(Lenient):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(Lenient):
+    """vLLM's `structured_outputs` object (server/guided.py): one of json, regex, choice, grammar,
+    json_object; the rest are accepted."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None  # refused (400)
+    # no-ops (server/leniency.py)
+    backend: str | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class GuidedFields(Lenient):
+    """vLLM's structured-output request fields, on chat and completions (server/guided.py)."""
+
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # no-ops (server/leniency.py)
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
 class SamplingFields(RequestBody):
     """Fields shared by chat and completions."""
 
@@ -170,7 +201,7 @@ class SamplingFields(RequestBody):
     request_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -200,7 +231,7 @@ class ChatCompletionRequest(SamplingFields):
 PromptType = str | list[int] | list[list[int]] | list[str]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: PromptType
     max_tokens: int | None = 16
     logprobs: int | None = None

@@ -15,6 +15,7 @@ from swaserve.server.errors import APIError
 from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from swaserve.server.metrics import Metrics
 from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
+from swaserve.server.responses.store import DEFAULT_STORE_BYTES, DEFAULT_STORE_SIZE
 
 if TYPE_CHECKING:
     # what the routes drive: the engine on a thread of this process, or in its own process
@@ -40,6 +41,9 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413 before parsing
     disable_docs: bool = False  # no /openapi.json
     ui: bool = False  # --ui: the inspector page at GET / (server/ui/route.py)
+    more_api_keys: tuple[str, ...] = ()  # further keys accepted besides api_key (--api-key-file lines)
+    responses_store_size: int = DEFAULT_STORE_SIZE  # stored /v1/responses (0: none kept)
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
 
 
 _frozen = False

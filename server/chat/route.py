@@ -9,10 +9,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from swaserve.engine.core import RequestOutput
+from swaserve.server.chat import legacy_functions as legacy
 from swaserve.server.chat.choice import ChatChoice
 from swaserve.server.chat.reasoning import ChatOutputParser
 from swaserve.server.chat.worker import ChatBody, chat_body
 from swaserve.server.errors import bad_request
+from swaserve.server.guided import guided
 from swaserve.server.leniency import check_fields, report_fields
 from swaserve.server.logprobs import TokenText, chat_logprobs
 from swaserve.server.off_loop import run_cpu
@@ -56,6 +58,9 @@ async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
     rename["grammar"] = "response_format" if cp.plan.choice in ("none", "auto") else "tool_choice"
+    vllm = guided(req, req.response_format)  # checked when planning: this names the field for errors
+    if vllm is not None:
+        rename["grammar"] = vllm.param
     params = build_params(req, max_tokens, k, engine.tokenizer.vocab_size, state.sampling_defaults(), rename,
                           max_stop=state.cfg.max_stop_sequences, skip_special_tokens=False,
                           mark_special_tokens=True, grammar=cp.grammar)
@@ -85,6 +90,7 @@ class _Ctx(RouteCtx):
         self.echo = echo
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None
+        self.legacy = legacy.legacy_functions(req)  # the old functions API: reply with function_call
 
     def apply(self, out: RequestOutput) -> tuple[Any, list[dict[str, Any]]]:
         """Feed one engine output; returns this step's parsed delta and logprobs."""
@@ -118,12 +124,15 @@ class _Ctx(RouteCtx):
             if c.reasoning:
                 msg["reasoning_content"] = msg["reasoning"] = c.reasoning
             if c.calls:
-                msg["tool_calls"] = c.tool_calls_openai()
+                if self.legacy:
+                    msg["function_call"] = legacy.function_call(c.calls)
+                else:
+                    msg["tool_calls"] = c.tool_calls_openai()
                 if not msg["content"]:
                     msg["content"] = None
             out_choices.append({"index": i, "message": msg,
                                 "logprobs": {"content": c.logprobs} if self.req.logprobs else None,
-                                "finish_reason": c.reason()})
+                                "finish_reason": self.reason(c)})
         self.log_finish()
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": out_choices, "usage": self.usage()}
@@ -144,12 +153,20 @@ class _Ctx(RouteCtx):
             d["reasoning_content"] = d["reasoning"] = delta.reasoning
         if delta.content:
             d["content"] = delta.content
-        if delta.tool_calls:
+        if delta.tool_calls and self.legacy:
+            fc = legacy.function_call_delta(delta.tool_calls)
+            if fc is not None:
+                d["function_call"] = fc
+        elif delta.tool_calls:
             d["tool_calls"] = [tc.to_openai() for tc in delta.tool_calls]
         if not (d or lps or out.finished):
             return None
         return {"index": out.index, "delta": d, "logprobs": {"content": lps} if self.req.logprobs else None,
-                "finish_reason": c.reason() if out.finished else None}
+                "finish_reason": self.reason(c) if out.finished else None}
+
+    def reason(self, c: ChatChoice) -> str | None:
+        """The choice's finish_reason (function_call for the old functions API)."""
+        return legacy.finish_reason(c.reason()) if self.legacy else c.reason()
 
     def chunk_usage(self) -> dict[str, Any] | None:
         opts = self.req.stream_options

@@ -27,8 +27,10 @@ from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate, build_c
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
 from swaserve.server.chat import prompt as chat_prompt
+from swaserve.server.chat.legacy_functions import legacy_functions
 from swaserve.server.chat.structured import grammar_for, json_format
 from swaserve.server.errors import APIError
+from swaserve.server.guided import check_tool_choice, guided
 from swaserve.server.leniency import scan_fields
 from swaserve.server.off_loop import PROCESS_WORKERS, run_cpu, run_proc, start_processes, submit_proc
 from swaserve.server.protocol import ChatCompletionRequest
@@ -66,7 +68,14 @@ def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
     rf = req.response_format
     fmt = json_format(rf.type if rf else None, rf.json_schema.schema_ if rf and rf.json_schema else None,
                       rf.json_schema.strict if rf and rf.json_schema else None, "response_format")
-    grammar, max_calls = grammar_for(plan, fmt, req.parallel_tool_calls, chat_prompt.thinking_enabled(kwargs))
+    vllm = guided(req, rf)  # vLLM's guided_* / structured_outputs (server/guided.py)
+    check_tool_choice(vllm, plan.choice in ("required", "named"))
+    if vllm is not None and vllm.fmt is not None:
+        fmt = vllm.fmt
+    parallel = False if legacy_functions(req) else req.parallel_tool_calls  # the old API: one call
+    grammar, max_calls = grammar_for(plan, fmt, parallel, chat_prompt.thinking_enabled(kwargs))
+    if vllm is not None and vllm.spec is not None:
+        grammar = vllm.spec  # a regex, choice or grammar: the whole reply
     echo = ""
     if req.echo and messages[-1]["role"] == "assistant":
         echo = messages[-1].get("content") or ""

@@ -1,8 +1,8 @@
 """/v1/responses request: the model and its input items -> chat messages, tools, text format.
 
-Stateless: every turn sends the whole conversation in `input` (the OpenAI Agents SDK does so when
-`store` is false or no `previous_response_id` is kept); `previous_response_id` and `conversation` are a
-clear 400, `store` is ignored.
+A turn sends the whole conversation in `input`, or continues a stored response with
+`previous_response_id` (server/responses/store.py: its conversation's items come first);
+`conversation` (the Conversations API) is a clear 400.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from swaserve.server.protocol import (
     SamplingFields,
     Tool,
 )
+from swaserve.server.responses.store import input_items
 
 
 class ResponsesRequest(SamplingFields):
@@ -31,6 +32,7 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
+    store: bool | None = None  # default true: kept (server/responses/store.py)
     conversation: Any = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
@@ -61,23 +63,24 @@ def _text(content: Any, where: str) -> str:
     raise bad_request("content must be a string or a list of parts", f"{where}.content")
 
 
-def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
-    """Input items (messages, function_call, function_call_output, reasoning) -> chat messages."""
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server is stateless (store is "
-                          "ignored); send the whole conversation in `input`", "previous_response_id")
+def input_messages(req: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> list[ChatMessage]:
+    """Input items (messages, function_call, function_call_output, reasoning) -> chat messages; `history`:
+    the items of the stored conversation `previous_response_id` continues, before the request's own."""
     if req.conversation is not None:
-        raise bad_request("conversation is not supported: this server is stateless; send the whole "
-                          "conversation in `input`", "conversation")
+        raise bad_request("conversation is not supported (no Conversations API): continue a stored response "
+                          "with previous_response_id, or send the whole conversation in `input`",
+                          "conversation")
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
+    if isinstance(req.input, str) and not history:
         out.append({"role": "user", "content": req.input})
         return [ChatMessage(**m) for m in out]
+    own = input_items(req.input)
+    before = len(history or ())
     reasoning: str | None = None
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+    for i, item in enumerate([*(history or ()), *own]):
+        where = f"input[{i - before}]" if i >= before else "previous_response_id"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -109,7 +112,8 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             parts = item.get("content") or item.get("summary") or []
             reasoning = _text(parts, where) if parts else None
         elif kind == "item_reference":
-            raise bad_request("item_reference is not supported: this server is stateless", f"{where}.type")
+            raise bad_request("item_reference is not supported: continue with previous_response_id or send "
+                              "the items themselves", f"{where}.type")
         else:
             raise bad_request(f"input item type {kind!r} is not supported", f"{where}.type")
     if not out:

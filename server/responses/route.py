@@ -37,6 +37,7 @@ from swaserve.server.responses.input import (
     input_messages,
     text_format,
 )
+from swaserve.server.responses.store import ResponseStore, StoredResponse, input_items, owner_of
 from swaserve.server.state import ServerState
 from swaserve.server.streaming import OutputStream, SSEResponse
 from swaserve.server.tracking import RequestTracker, tracked
@@ -44,7 +45,7 @@ from swaserve.server.tracking import RequestTracker, tracked
 router = APIRouter()
 
 
-def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None) -> ChatCompletionRequest:
     tools, choice = function_tools(req)
     kind, schema, strict = text_format(req)
     fmt = None
@@ -53,7 +54,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         if kind == "json_schema":
             fmt["json_schema"] = {"name": "output", "schema": schema, "strict": strict}
     effort = (req.reasoning or {}).get("effort")
-    return ChatCompletionRequest(messages=input_messages(req), tools=tools, tool_choice=choice,
+    return ChatCompletionRequest(messages=input_messages(req, history), tools=tools, tool_choice=choice,
                                  parallel_tool_calls=req.parallel_tool_calls, response_format=fmt,
                                  reasoning_effort=effort, chat_template_kwargs=req.chat_template_kwargs)
 
@@ -73,7 +74,16 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     model = state.check_model(req.model)
     if req.n != 1:
         raise bad_request("n must be 1 for /v1/responses", "n")
-    chat_req = await run_cpu(_chat_request, req)  # converts every input item: off the loop
+    store: ResponseStore = request.app.state.responses
+    owner = owner_of(request, bool(state.cfg.api_key))
+    prev = None
+    if req.previous_response_id is not None:  # continue a stored conversation
+        prev = store.get(owner, req.previous_response_id)
+        if prev is None:
+            why = "" if store.enabled else " (this server keeps no responses: --responses-store-size 0)"
+            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found{why}.",
+                           "previous_response_id", "previous_response_not_found")
+    chat_req = await run_cpu(_chat_request, req, prev.items if prev else None)  # every item: off the loop
     cp: ChatPlan = await plan_chat(state, chat_req)  # in a worker process
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}
@@ -86,6 +96,7 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
     gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts)
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choice, tracker, rename)
+    ctx.keep = _Keeper(store, owner, prev, req) if store.enabled and req.store is not False else None
     poll = state.cfg.disconnect_poll_s
     if not req.stream:
         try:
@@ -94,7 +105,10 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
         finally:
             stream.close()
         ctx.log_finish()
-        return JSONResponse(ctx.response(ctx.status()))
+        body = ctx.response(ctx.status())
+        if ctx.keep is not None:
+            await run_cpu(ctx.keep.put, body)
+        return JSONResponse(body)
     try:
         first = await ctx.next(stream, request, poll)
     except BaseException:
@@ -114,6 +128,7 @@ class _Ctx:
         self.items: list[dict[str, Any]] = []  # output items in order, as streamed
         self.calls: dict[int, int] = {}  # tool call index -> output index
         self.open: int | None = None  # output index of the open reasoning / message item
+        self.keep: _Keeper | None = None  # store: true (and a store): kept once finished
 
     async def next(self, stream: OutputStream, request: Request | None = None, poll: float = 0.25) -> Any:
         try:
@@ -166,9 +181,10 @@ class _Ctx:
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
-            "store": False, "temperature": r.temperature, "top_p": r.top_p,
+            "store": self.keep is not None, "temperature": r.temperature, "top_p": r.top_p,
             "text": r.text or {"format": {"type": "text"}},
             "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
             "tools": echo_tools(r), "truncation": "disabled", "metadata": r.metadata or {}, "user": r.user,
@@ -279,7 +295,10 @@ class _Ctx:
             status = self.status()
             kind = "response.completed" if status == "completed" else "response.incomplete"
             self.log_finish()
-            yield self._event(kind, response=self.response(status, self.items))
+            final = self.response(status, self.items)
+            if self.keep is not None:
+                await run_cpu(self.keep.put, final)
+            yield self._event(kind, response=final)
         except Exception as e:
             self.tracker.fail(e)
             err = from_exception(e)
@@ -287,6 +306,17 @@ class _Ctx:
         finally:
             stream.close()
             self.tracker.disconnected()
+
+
+class _Keeper:
+    """Stores one finished response with its conversation (server/responses/store.py)."""
+
+    def __init__(self, store: ResponseStore, owner: str, prev: StoredResponse | None, req: ResponsesRequest):
+        self.store, self.owner, self.prev, self.req = store, owner, prev, req
+
+    def put(self, response: dict[str, Any]) -> None:
+        """A worker thread: the conversation's size is measured as JSON."""
+        self.store.put(self.owner, response, self.prev, [*input_items(self.req.input), *response["output"]])
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:

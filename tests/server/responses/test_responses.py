@@ -96,7 +96,6 @@ def test_function_call_streamed(client: openai.OpenAI):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
