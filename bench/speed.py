@@ -53,7 +53,8 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-gb", type=float, default=4.0,
                    help="swaserve's KV pools in GB (default 4: enough for 8 streams of 26b-a4b, 32 of small; "
                         "the engine's own default, a share of free memory, does not leave room for a peer)")
-    p.add_argument("--kv-dtype", default="auto", help="swaserve's KV dtype: auto (fp32 on CPU), bf16, fp16")
+    p.add_argument("--kv-dtype", default="auto",
+                   help="swaserve's KV dtype: auto (fp32 on CPU), bf16, fp16, q8_0")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine before it is stopped")
     p.add_argument("--json", default=None, help="also write the results to this file")
 

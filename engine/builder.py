@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token, resolve_kv_dtype
+from swaserve.engine.attention.kv_format import KVFormat, kv_format_of
+from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token
 from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from swaserve.engine.kvcache import PREFIX_CACHES, Arena, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier.build import build_tier
@@ -49,8 +50,9 @@ class PoolPlan:
     num_blocks: int
     full_per_block: int
     swa_cap: int  # SWA pages (blocks) at most; num_blocks without --swa-full-tokens-ratio
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the arena buffer (KVFormat.buffer_dtype: uint8 for q8_0)
     block_bytes: int
+    kv_format: KVFormat
 
     @property
     def full_pages(self) -> int:
@@ -64,10 +66,11 @@ class PoolPlan:
 
     def describe(self, page_size: int, cfg: ModelConfig) -> str:
         cap = f", SWA capped at {self.swa_cap * page_size} tokens" if self.swa_cap < self.num_blocks else ""
+        full_b, swa_b = bytes_per_token(cfg, self.kv_format)
         return (f"one arena of {self.num_blocks} blocks x {self.block_bytes / 2**20:.2f} MiB "
                 f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB): {self.full_pages * page_size} full "
                 f"tokens or {self.num_blocks * page_size} SWA tokens, or any mix{cap}, "
-                f"{str(self.dtype).removeprefix('torch.')}")
+                f"{self.kv_format.name} ({full_b} / {swa_b} bytes per full / SWA token)")
 
 
 def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> int:
@@ -81,10 +84,10 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
     """The arena's size and SWA cap (see the module docstring); ValueError when explicit sizes are too
     small."""
     page_size = cache.page_size
-    dtype = resolve_kv_dtype(cache.kv_cache_dtype, device)
-    full_bytes, swa_bytes = bytes_per_token(cfg, dtype)
-    k, _, swa_record = arena_geometry(cfg)
-    block_bytes = page_size * swa_record * torch.empty((), dtype=dtype).element_size()
+    fmt = kv_format_of(cache, device)  # --kv-cache-dtype (-k, -v)
+    full_bytes, swa_bytes = bytes_per_token(cfg, fmt)
+    k, _, swa_record = arena_geometry(cfg, fmt)
+    block_bytes = page_size * swa_record * fmt.buffer_dtype.itemsize
     ratio = cache.swa_full_tokens_ratio if cache.swa_full_tokens_ratio is not None else SIZING_RATIO
     need_swa = min_swa_pages(cfg, page_size, sched)
     # the running windows and a chunk, and full pages for a chunk
@@ -122,7 +125,7 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
                 f"tokens): raise the memory (or --swa-full-tokens-ratio), or lower --max-running-requests")
         blocks = max(blocks, need_blocks)
         swa_cap = blocks if cache.swa_full_tokens_ratio is None else max(swa_cap, need_swa)
-    return PoolPlan(blocks, k, min(swa_cap, blocks), dtype, block_bytes)
+    return PoolPlan(blocks, k, min(swa_cap, blocks), fmt.buffer_dtype, block_bytes, fmt)
 
 
 @dataclass
@@ -175,7 +178,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         log.warning("context length %d exceeds what the KV arena holds beside one window (%d tokens); "
                     "serving up to %d", context, capacity, capacity)
         context = capacity
-    pool = ArenaKVPool(model_cfg, plan.num_blocks, P, plan.dtype, device)
+    pool = ArenaKVPool(model_cfg, plan.num_blocks, P, plan.kv_format, device)
     if device.type == "cpu":  # make the memory resident now: it stays flat while serving
         for t in pool.tensors():
             t.fill_(0)

@@ -317,6 +317,12 @@ class Engine:
                            "usage": used / cap if cap else 0.0}
         return pools
 
+    def _kv_storage(self) -> dict[str, Any]:
+        """The KV cache's storage type (--kv-cache-dtype) and bytes per token of each pool kind (K and V of
+        every layer of the kind, without arena padding)."""
+        full, swa = self.pool.bytes_per_token()
+        return {"kv_cache_dtype": self.pool.kv_format.name, "kv_bytes_per_token": {"full": full, "swa": swa}}
+
     def cache_state_walk(self, top_n: int = 64) -> snapshot.StateWalk:
         """The inspector's view (GET /v1/cache/state) as a resumable walk (engine/kvcache/snapshot.py): the
         asynchronous fronts advance it between steps, a quarter of a millisecond at a time."""
@@ -326,7 +332,8 @@ class Engine:
         self.pool_history.add(now, time.time(), pools)
         state.update(cache_type=self.config.cache.cache_type, running=len(self.scheduler.running),
                      waiting=len(self.scheduler.waiting), pools=pools, arena=self.arena.stats(),
-                     recent_requests=self.reuse_log.recent(), pool_history=self.pool_history.recent())
+                     recent_requests=self.reuse_log.recent(), pool_history=self.pool_history.recent(),
+                     **self._kv_storage())
         return state
 
     def cache_state(self, top_n: int = 64) -> dict[str, Any]:
@@ -334,8 +341,9 @@ class Engine:
         return snapshot.run_slice(self.cache_state_walk(top_n), None)[1]  # type: ignore[return-value]
 
     def stats(self) -> dict[str, Any]:
-        """Queue lengths and their cap, the page size; both page kinds (see _pools); the arena's blocks;
-        prefix-cache counters, token totals and the seconds spent in steps."""
+        """Queue lengths and their cap, the page size; both page kinds (see _pools); the arena's blocks; the
+        KV storage type and bytes per token; prefix-cache counters, token totals and the seconds spent in
+        steps."""
         sched = self.scheduler
         pools = self._pools()
         return {
@@ -345,6 +353,7 @@ class Engine:
             "page_size": self.config.cache.page_size,  # tokens per page of both pools
             **pools,
             "arena": self.arena.stats(),
+            **self._kv_storage(),
             "prefix_cache_query_tokens": sched.prefix_query_tokens,
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "prefix_cache_hit_tokens_by_tier": {

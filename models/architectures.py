@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from swaserve.engine.attention.kv_format import kv_format_of
 from swaserve.engine.config import EngineConfig
 from swaserve.engine.model_api import CausalLM, ModelBundle, resolve_device
 from swaserve.models.gguf_loader import GGUFError, GGUFFile, LoadedModel, load_gemma4, open_gguf
@@ -64,6 +65,7 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
         raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     device = resolve_device(cfg.device)
+    kv_format_of(cfg.cache, device)  # a --kv-cache-dtype this device cannot serve fails before the load
     t0 = time.monotonic()
     log.info("loading %s", path)
     loaded = arch.load(file, progress)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from swaserve.engine.attention.base import AttentionMetadata
+from swaserve.engine.attention.base import AttentionMetadata, store_kv
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.fused import moe_kernels, norm_kernels
 from swaserve.engine.fused.ops import device_linear
@@ -55,12 +55,20 @@ class FusedOps(LayerOps):
         qr = torch.empty_like(q)
         norm_kernels.norm_rope_kernel[(T, nh)](q, lw.q_norm, cos, sin, qr, q.stride(0), q.stride(1),
                                                qr.stride(0), qr.stride(1), n_rot, eps, HALF=D // 2)
-        k_cache, v_cache = pool.kv(i)  # [S, KVH, D]
+        k_cache, v_cache = pool.kv(i)  # [S, KVH, R]
         slots = meta.swa_slots if sliding else meta.full_slots  # [T]
+        k_dst, v_dst, dst_slots = k_cache, v_cache, slots
+        eight_bit = k_cache.element_size() == 1 or v_cache.element_size() == 1  # q8_0 / fp8 KV
+        if eight_bit:  # normed, roped rows to a scratch first, then quantized into the pool
+            k_dst = torch.empty(T, kvh, D, dtype=self.model.dtype, device=q.device)  # [T, KVH, D]
+            v_dst = torch.empty_like(k_dst)
+            dst_slots = torch.arange(T, device=q.device)
         norm_kernels.kv_store_kernel[(T, kvh)](
-            k, v, lw.k_norm, cos, sin, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), n_rot,
+            k, v, lw.k_norm, cos, sin, dst_slots, k_dst, v_dst, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), n_rot,
             eps, HALF=D // 2)
+        if eight_bit:
+            store_kv(k_cache, v_cache, slots, k_dst, v_dst)
         table = meta.swa_page_table if sliding else meta.full_page_table
         return self.model.attn.attend(qr, k_cache, v_cache, table, meta, sliding)  # [T, NH, D]
 

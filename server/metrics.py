@@ -94,6 +94,15 @@ class _EngineCollector(Collector):
             for st in ("total", "free", "full", "swa"):
                 blocks.add_metric([model, st], float(arena.get(f"blocks_{st}", 0)))
             yield blocks
+        per_token = stats.get("kv_bytes_per_token")
+        if per_token:  # the KV storage type (--kv-cache-dtype) and what a token costs in each pool
+            kv_bytes = GaugeMetricFamily(PREFIX + "kv_bytes_per_token",
+                                         "KV bytes of one token (K and V over the pool's layers), by pool.",
+                                         labels=["model_name", "pool", "dtype"])
+            for pool in ("full", "swa"):
+                dtype = str(stats.get("kv_cache_dtype", ""))
+                kv_bytes.add_metric([model, pool, dtype], float(per_token[pool]))
+            yield kv_bytes
         by_tier = stats.get("prefix_cache_hit_tokens_by_tier")
         if by_tier:
             hits = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits",

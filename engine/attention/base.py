@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.quant.kv_quant import encode
 
 
 @dataclass
@@ -84,11 +85,22 @@ def write_kv(
     meta: AttentionMetadata,
     pool: KVPool,
 ) -> tuple[bool, torch.Tensor, torch.Tensor]:
-    """Write the new tokens' K/V into their slots; returns (sliding, K cache, V cache) ([S, KVH, D])."""
+    """Write the new tokens' K/V into their slots in the pool's types (q8_0 / fp8 quantized here);
+    returns (sliding, K cache, V cache) ([S, KVH, R]: the pool's views)."""
     sliding = pool.layer_kind(layer) == "sliding"
-    k_cache, v_cache = pool.kv(layer)  # [S, KVH, D]
+    k_cache, v_cache = pool.kv(layer)  # [S, KVH, R]
     slots = (meta.swa_slots if sliding else meta.full_slots).to(k_cache.device)  # [T]
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    store_kv(k_cache, v_cache, slots, k, v)
     return sliding, k_cache, v_cache
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_cache[slots] = k, v_cache[slots] = v (k, v [T, KVH, D] values; caches [S, KVH, R] pool views),
+    each converted to its view's type."""
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = encode(x, cache.dtype)  # [T, KVH, R]
+        if cache.element_size() == 1:  # q8_0 bytes, fp8 (torch has no fp8 index_copy_): as bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.index_copy_(0, slots, rows)
 

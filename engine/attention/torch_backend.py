@@ -9,17 +9,23 @@ of `QUERY_BLOCK` query rows; a block at positions [a, b) attends only to the key
 cached prefix runs as one causal SDPA call (is_causal is exact there and skips masked tiles).
 Each sequence's visible keys are gathered from the pool once per layer; blocks slice them. Inputs
 are 4-D so torch picks its fused (flash) CPU kernel; GQA uses `enable_gqa`, K/V are never repeated.
+q8_0 / fp8 pools are dequantized as they are gathered (the oracle of the other backends' 8-bit paths:
+attention over the dequantized keys, nothing else changes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from swaserve.engine.attention.kv_format import Q8_BLOCK, Q8_BLOCK_BYTES
 from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.quant.blocks_legacy import decode_q8_0
+from swaserve.engine.quant.kv_quant import head_dim
 
 QUERY_BLOCK = 256  # query rows per prefill block
 
@@ -121,13 +127,13 @@ class TorchAttentionBackend(AttentionBackend):
         # reused gather buffers: a fresh multi-MB tensor per layer costs more in page faults than the copy
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def _buf(self, tag: str, n: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        shape = (n, *like.shape[1:])
-        numel = n * like[0].numel()
-        key = (tag, dtype, like.device)
+    def _buf(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (tag, dtype, device)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=like.device)
+            buf = torch.empty(numel, dtype=dtype, device=device)
             self._scratch[key] = buf
         return buf[:numel].view(shape)
 
@@ -146,12 +152,23 @@ class TorchAttentionBackend(AttentionBackend):
         out[rows] = o.reshape(Bd, H, D)
 
     def _gather(self, tag: str, src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """src[idx] ([n, KVH, D]) in `dtype`, written into a reused buffer (valid until the next call)."""
-        raw = self._buf(tag, idx.numel(), src, src.dtype)
-        torch.index_select(src, 0, idx, out=raw)
+        """The values of src[idx] ([n, KVH, D]) in `dtype` (src: a pool view [S, KVH, R]; q8_0 rows are
+        dequantized), written into a reused buffer (valid until the next call)."""
+        n, kvh = idx.numel(), src.shape[1]
+        raw = self._buf(tag, (n, *src.shape[1:]), src.dtype, src.device)  # [n, KVH, R]
+        if src.dtype == torch.float8_e4m3fn:  # torch has no fp8 index_select: as bytes
+            torch.index_select(src.view(torch.uint8), 0, idx, out=raw.view(torch.uint8))
+        else:
+            torch.index_select(src, 0, idx, out=raw)
         if src.dtype == dtype:
             return raw
-        return self._buf(tag + "_cast", idx.numel(), src, dtype).copy_(raw)
+        if src.dtype == torch.uint8:  # q8_0 blocks -> fp32 (exact), then dtype
+            vals = self._buf(tag + "_q8", (n, kvh, head_dim(src)), torch.float32, src.device)
+            decode_q8_0(raw.view(-1, Q8_BLOCK_BYTES), out=vals.view(-1, Q8_BLOCK))
+            if dtype == torch.float32:
+                return vals
+            raw = vals
+        return self._buf(tag + "_cast", (n, kvh, raw.shape[2]), dtype, src.device).copy_(raw)
 
     def forward(
         self,
@@ -162,7 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
-        sliding, K, V = write_kv(layer, k, v, meta, pool)  # [slots, KVH, D]
+        sliding, K, V = write_kv(layer, k, v, meta, pool)  # [slots, KVH, R]
 
         T, H, D = q.shape
         KVH = k.shape[1]

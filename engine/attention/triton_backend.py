@@ -2,7 +2,8 @@
 
 Per layer: the new K/V are written to their slots, then sequences with one new token run the
 split-K decode kernel (+ a reduce over splits) and the others the varlen prefill kernel, which
-reads the cached prefix and the new tokens alike through the page table.
+reads the cached prefix and the new tokens alike through the page table. q8_0 K/V (uint8 pool views of
+34-byte blocks) are dequantized in the kernels; fp8_e4m3 K/V (scale 1.0) are converted there (sm_89+).
 """
 
 from __future__ import annotations
@@ -13,9 +14,21 @@ import triton
 from swaserve.engine.attention import triton_kernels as kernels
 from swaserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.quant.kv_quant import head_dim
 from swaserve.engine.quant.triton_q4 import check_triton_device
 from swaserve.engine.quant.triton_q4 import dot_f32 as use_dot_f32
 from swaserve.engine.runner.staging import pack_to_device
+
+
+def kv_type(cache: torch.Tensor) -> int:
+    """The kernels' K_TYPE / V_TYPE of a pool view: 0 float, 1 q8_0 (uint8 blocks), 2 fp8_e4m3."""
+    return {torch.uint8: 1, torch.float8_e4m3fn: 2}.get(cache.dtype, 0)
+
+
+def _check_fp8(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer "
+                         "(Ada, Hopper); use q8_0")
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,15 +126,15 @@ class TritonAttentionBackend(AttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
         check_triton_device(q.device, "the triton attention backend")
-        sliding, k_cache, v_cache = write_kv(layer, k, v, meta, pool)  # [S, KVH, D]
+        sliding, k_cache, v_cache = write_kv(layer, k, v, meta, pool)  # [S, KVH, R]
         page_table = meta.swa_page_table if sliding else meta.full_page_table  # [B, MP]
         return self.attend(q, k_cache, v_cache, page_table, meta, sliding)
 
     def attend(
         self,
         q: torch.Tensor,  # [T, H, D]
-        k_cache: torch.Tensor,  # [S, KVH, D]
-        v_cache: torch.Tensor,  # [S, KVH, D]
+        k_cache: torch.Tensor,  # [S, KVH, R] pool view (R = D, or D / 32 * 34 bytes of q8_0 blocks)
+        v_cache: torch.Tensor,  # [S, KVH, R]
         page_table: torch.Tensor,  # [B, MP] int64
         meta: AttentionMetadata,
         sliding: bool,
@@ -130,7 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Attention of the new tokens over the paged K/V (already holding the new tokens' K/V)."""
         T, H, D = q.shape
         KVH = k_cache.shape[1]
-        if H % KVH != 0 or D & (D - 1) != 0 or k_cache.shape[2] != D:
+        if H % KVH != 0 or D & (D - 1) != 0 or head_dim(k_cache) != D or head_dim(v_cache) != D:
             raise ValueError(f"unsupported attention shape: {H} heads, {KVH} kv heads, head_dim {D}")
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -139,22 +152,32 @@ class TritonAttentionBackend(AttentionBackend):
         info = self._batch_info(meta, q.device)
         G = H // KVH
         window = meta.window if sliding else 0
-        dot_f32 = use_dot_f32(k_cache.dtype)
+        k_type, v_type = kv_type(k_cache), kv_type(v_cache)
+        if 2 in (k_type, v_type):
+            _check_fp8(q.device)
+        # 8-bit K is converted to the query's dtype for the dot (fp32 queries: fp32 dots)
+        dot_f32 = use_dot_f32(k_cache.dtype if k_type == 0 else q.dtype)
+        # q8_0 blocks are read as 2-byte words: int16 views of the same bytes (unused for other types)
+        k_words = k_cache.view(torch.int16) if k_type == 1 else k_cache
+        v_words = v_cache.view(torch.int16) if v_type == 1 else v_cache
         if out is None:
             out = empty(T, H, D, dtype=q.dtype, device=q.device)
         assert out.shape == q.shape and out.stride(2) == 1
         if info.prefill_seqs:  # packed GQA: a tile = BLOCK_M // G tokens x the G heads of one KV head
-            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G, self._shared(q.device))
+            q8 = 1 in (k_type, v_type)
+            bm, bn, warps, stages = kernels.prefill_block_sizes(D, G, self._shared(q.device), q8)
             bm = kernels.prefill_rows(G, self.block_m) if self.block_m else bm
             bn = self.block_n or bn
             blk_seq, blk_start = info.prefill_blocks(bm // G)
             kernels._prefill_kernel[(blk_seq.numel(), KVH)](
-                q, k_cache, v_cache, out, blk_seq, blk_start, info.cu_q_lens, info.prefix_lens, page_table,
+                q, k_cache, v_cache, k_words, v_words, out, blk_seq, blk_start, info.cu_q_lens,
+                info.prefix_lens, page_table,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                 page_table.stride(0), self.scale, window,
                 G=G, PAGE=meta.page_size, D=D, BLOCK_M=bm, BLOCK_N=bn,
-                SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+                SLIDING=sliding, DOT_F32=dot_f32, K_TYPE=k_type, V_TYPE=v_type, num_warps=warps,
+                num_stages=stages,
             )
         if info.num_decodes:
             eff = min(info.max_decode_len, meta.window) if sliding else info.max_decode_len
@@ -164,13 +187,14 @@ class TritonAttentionBackend(AttentionBackend):
             part_o = empty(info.num_decodes, H, splits, D, dtype=torch.float32, device=q.device)
             part_lse = empty(info.num_decodes, H, splits, dtype=torch.float32, device=q.device)
             kernels._decode_kernel[(info.num_decodes, KVH, splits)](
-                q, k_cache, v_cache, part_o, part_lse, info.decode_seqs, info.cu_q_lens, info.prefix_lens,
-                page_table,
+                q, k_cache, v_cache, k_words, v_words, part_o, part_lse, info.decode_seqs, info.cu_q_lens,
+                info.prefix_lens, page_table,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                 v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
                 self.scale, window, splits,
                 G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), PAGE=meta.page_size, D=D,
-                BLOCK_N=bn, SLIDING=sliding, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+                BLOCK_N=bn, SLIDING=sliding, DOT_F32=dot_f32, K_TYPE=k_type, V_TYPE=v_type,
+                num_warps=warps, num_stages=stages,
             )
             kernels._decode_reduce_kernel[(info.num_decodes, H)](
                 part_o, part_lse, out, info.decode_seqs, info.cu_q_lens, out.stride(0), out.stride(1), splits,

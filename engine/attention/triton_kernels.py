@@ -5,6 +5,9 @@ pool slot page_table[b, n // PAGE] * PAGE + n % PAGE. Keys are indexed by absolu
 query at position p sees keys k <= p, and on sliding layers only k > p - window. Softmax runs in
 fp32 with an online (flash) rescale. `DOT_F32` upcasts dot operands to fp32 with exact (ieee, not
 tf32) products: for fp32 KV, and for bf16 under TRITON_INTERPRET=1, whose bf16 dot is wrong.
+K_TYPE / V_TYPE say how a side is stored: 0 float (dot operands in its dtype), 1 q8_0 (34-byte blocks of
+an fp16 scale and 32 int8, dequantized to fp32 in-kernel; kw_ptr / vw_ptr: int16 views of the same bytes,
+read as words), 2 fp8 (scale 1.0); 1 and 2 are converted to the query's dtype for the dot.
 """
 
 from __future__ import annotations
@@ -14,8 +17,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _kv_tile(ptr, word_ptr, row, offs_d, mask, BN: tl.constexpr, D: tl.constexpr, TYPE: tl.constexpr):
+    """[BN, D] values of head rows starting at element `row` [BN, 1] of a pool view: fp32 from q8_0 blocks
+    (TYPE 1: `word_ptr` an int16 view of the bytes: a block is 17 words, the fp16 scale then 16 pairs of
+    int8 codes, low byte first; one scale load a block, 16 two-byte loads), else the stored elements."""
+    if TYPE == 1:
+        NB: tl.constexpr = D // 32
+        blk = row[:, :, None] // 2 + (tl.arange(0, NB) * 17)[None, :, None]  # [BN, NB, 1] word offsets
+        m3 = mask[:, None, None]
+        d = tl.load(word_ptr + blk, mask=m3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        w = tl.load(word_ptr + blk + 1 + tl.arange(0, 16)[None, None, :], mask=m3, other=0)  # [BN, NB, 16]
+        q = tl.interleave((w << 8) >> 8, w >> 8)  # [BN, NB, 32] int16: the codes, sign-extended
+        return tl.reshape(q.to(tl.float32) * d, [BN, D])
+    else:
+        return tl.load(ptr + row + offs_d[None, :], mask=mask[:, None], other=0.0)
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, o_ptr,
     blk_seq_ptr, blk_start_ptr,  # [NB] int32: sequence and first query token (within it) per program
     cu_q_ptr, prefix_ptr,  # [B + 1], [B] int32
     pt_ptr,  # [B, MP] int64 page table
@@ -24,7 +44,7 @@ def _prefill_kernel(
     sm_scale, window,
     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_F32: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
 ):
     # One program per (BLOCK_M // G query tokens, KV head): the tile's BLOCK_M rows are those tokens'
     # G query heads (row r = token r // G, head kvh * G + r % G), so each K/V tile is read once for
@@ -48,8 +68,8 @@ def _prefill_kernel(
                 mask=m_mask[:, None], other=0.0)  # [BM, D]
     if DOT_F32:
         q = q.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)  # tl.dot needs equal operand types
+    elif K_TYPE == 0:
+        q = q.to(k_ptr.dtype.element_ty)  # tl.dot needs equal operand types (8-bit K: K to q's)
     pos = prefix + offs_m  # [BM] absolute positions
 
     hi = prefix + tl.minimum(m0 + TOK, q_len)  # one past the last key any row sees
@@ -67,10 +87,12 @@ def _prefill_kernel(
         n_valid = (offs_n >= lo) & (offs_n < hi)
         page = tl.load(pt_ptr + b * stride_pt + offs_n // PAGE, mask=n_valid, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # [BN]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        k = _kv_tile(k_ptr, kw_ptr, slot[:, None] * stride_ks + kvh * stride_kh, offs_d, n_valid,
+                     BLOCK_N, D, K_TYPE)  # [BN, D]
         if DOT_F32:
             k = k.to(tl.float32)
+        elif K_TYPE != 0:
+            k = k.to(q.dtype)
         if DOT_F32:  # exact fp32 products (not tf32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BM, BN]
         else:
@@ -83,11 +105,13 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        v = _kv_tile(v_ptr, vw_ptr, slot[:, None] * stride_vs + kvh * stride_vh, offs_d, n_valid,
+                     BLOCK_N, D, V_TYPE)  # [BN, D]
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
+            if V_TYPE != 0:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -98,13 +122,14 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr,
+    q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, po_ptr, plse_ptr,
     dec_seq_ptr,  # [BD] int32: batch index of each decode sequence (q_len == 1)
     cu_q_ptr, prefix_ptr, pt_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     sm_scale, window, num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, K_TYPE: tl.constexpr,
+    V_TYPE: tl.constexpr,
 ):
     # partials: po [BD, H, S, D] fp32 (normalised within the split), plse [BD, H, S] fp32
     i = tl.program_id(0)
@@ -130,7 +155,7 @@ def _decode_kernel(
                 mask=g_mask[:, None], other=0.0)  # [BG, D]
     if DOT_F32:
         q = q.to(tl.float32)
-    else:
+    elif K_TYPE == 0:
         q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -141,10 +166,12 @@ def _decode_kernel(
         n_valid = offs_n < s_hi
         page = tl.load(pt_ptr + b * stride_pt + offs_n // PAGE, mask=n_valid, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)  # [BN, D]
+        k = _kv_tile(k_ptr, kw_ptr, slot[:, None] * stride_ks + kvh * stride_kh, offs_d, n_valid,
+                     BLOCK_N, D, K_TYPE)  # [BN, D]
         if DOT_F32:
             k = k.to(tl.float32)
+        elif K_TYPE != 0:
+            k = k.to(q.dtype)
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BG, BN]
         else:
@@ -154,11 +181,13 @@ def _decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)
+        v = _kv_tile(v_ptr, vw_ptr, slot[:, None] * stride_vs + kvh * stride_vh, offs_d, n_valid,
+                     BLOCK_N, D, V_TYPE)  # [BN, D]
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
+            if V_TYPE != 0:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     empty = l_i == 0.0
@@ -198,11 +227,12 @@ def _decode_reduce_kernel(
 
 # Block sizes: the largest tiles that compile for sm_90 without register spills
 # (python -m tools.gpu_check.triton_aot prints registers and stack per configuration).
-def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None = None
+def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None = None, q8: bool = False
                         ) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = query tokens x the group's G heads, BLOCK_N, num_warps, num_stages) for the
     packed prefill kernel; `shared_bytes`: the device's shared memory per block (None: sm_90's),
-    at D = 512 under 160 KB (sm_89: 99 KB) the row tile halves to fit (K and V tiles are 64 KB each)."""
+    at D = 512 under 160 KB (sm_89: 99 KB) the row tile halves to fit (K and V tiles are 64 KB each).
+    `q8`: K or V stored q8_0 (the dequantizing loads need more registers: half the key tile)."""
     if head_dim >= 512:
         small = shared_bytes is not None and shared_bytes < 160 * 1024
         bm, bn, warps, stages = (16 if small else 32), 64, 8, 1
@@ -210,6 +240,8 @@ def prefill_block_sizes(head_dim: int, group: int = 1, shared_bytes: int | None 
         bm, bn, warps, stages = 64, 64, 8, 1
     else:
         bm, bn, warps, stages = 64, 64, 4, 2
+    if q8:
+        bn //= 2
     return max(bm, prefill_rows(group)), bn, warps, stages
 
 

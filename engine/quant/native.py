@@ -58,8 +58,9 @@ _SIGNATURES = {
     "swa_norm_rope": ([_P, _I, _I, _I, _P, _F, _P, _P, _I, _I], None),
     "swa_ffn_tail": ([_P, _P, _P, _P, _P, _F, _F, _P, _I, _I], None),
     "swa_router": ([_P, _I, _I, _P, _F, _P, _I, _I, _P, _P, _P], None),
-    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _I, _P, _P, ctypes.c_int],
-                        None),
+    "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _I, _I, ctypes.c_int, _P, _I, _I, ctypes.c_int, _P, _I,
+                         _P, _P, ctypes.c_int], None),
+    "swa_kv_gather": ([_P, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int], None),
 }
 
 

@@ -1,7 +1,8 @@
 /* CPU glue kernels of the decoder layer (AVX2 + FMA, OpenMP), built into the same library as
 native_q4.c and called through engine/quant/native.py: fp32 RMS norms (optionally added into the
 residual stream), the per-head q/k norm + NeoX rope in place, the layer tail after the two FFN branches,
-and decode attention straight from the paged KV pool (no gathered copy). Each replaces 5-20 small torch
+decode attention straight from the paged KV pool (no gathered copy; fp32 / fp16 / bf16 / q8_0 K and V)
+and the prefill's gather + dequantize of pool rows. Each replaces 5-20 small torch
 ops per call. Numerics are fp32 like the torch code they replace; sums run in a different order (8
 lanes, then the lanes), so results differ from it in the last bits: models/gemma4.py uses them on the
 native CPU path only (which already quantizes activations), the exact path keeps the torch ops.
@@ -106,23 +107,26 @@ void swa_ffn_tail(float* m1, float* m2, const float* w1, const float* w2, const 
     }
 }
 
-/* 8 floats of a KV row stored as fp32 (kt 0), fp16 (kt 1) or bf16 (kt 2), at element offset i */
-static inline __m256 load_kv(const void* row, int64_t i, int kt) {
+/* 8 values at value offset i (a multiple of 8) of one head row of the KV pool, stored as kt: 0 fp32,
+   1 fp16, 2 bf16, 3 q8_0 (llama.cpp's block_q8_0: an fp16 scale d, then 32 int8 q; value = d * q, exact
+   in fp32) */
+static inline __m256 load_kv(const uint8_t* row, int64_t i, int kt) {
     if (kt == 0) return _mm256_loadu_ps((const float*)row + i);
+    if (kt == 3) {
+        const uint8_t* blk = row + (i >> 5) * 34;
+        uint16_t h;
+        memcpy(&h, blk, 2);
+        __m128i q = _mm_loadl_epi64((const __m128i*)(blk + 2 + (i & 31)));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
     __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + i));
     if (kt == 1) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline float dot_kv(const float* q, const void* k, int64_t n, int kt) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k, i, kt), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load_kv(k, i + 8, kt), a1);
-    }
-    for (; i < n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k, i, kt), a0);
-    return hsum8(_mm256_add_ps(a0, a1));
+/* bytes of one head row of D values stored as kt */
+static inline int64_t kv_row_bytes(int kt, int64_t D) {
+    return kt == 0 ? 4 * D : kt == 3 ? D / 32 * 34 : 2 * D;
 }
 
 /* p[0 .. n) = softmax(p[0 .. n)) in place */
@@ -145,15 +149,16 @@ static void softmax_row(float* p, int64_t n) {
 
 /* Decode attention (one query token per sequence, scale 1): for decode row b (token row rows[b] of q
    and out, both [*, H, D] fp32) and query head j (KV head j / (H / KVH)): softmax over the keys at slots
-   slots[b, 0 .. counts[b]) of q . K[slot], times V[slot]. K and V are the pool's strided views, of
-   element type kt (0 fp32, 1 fp16, 2 bf16; read as fp32): element (slot, kv head, d) at
-   slot * rs + kv_head * D + d. Work items (b, kv head) run in parallel. Scores take 4 keys at a time
+   slots[b, 0 .. counts[b]) of q . K[slot], times V[slot]. K and V are the pool's strided views: the head
+   row (slot, kv head) starts at byte slot * k_rs + kv_head * k_hs (V: v_rs, v_hs), stored as kt / vt
+   (load_kv's types; read as fp32). Work items (b, kv head) run in parallel. Scores take 4 keys at a time
    (4 independent accumulator chains); the weighted sum keeps 64 output floats in registers over all
    keys. */
 void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                     const void* K, const void* V, int64_t rs, int kt, const int64_t* slots, int64_t S,
-                     const int64_t* counts, float* out, int nthreads) {
-    const int64_t G = H / KVH, es = kt == 0 ? 4 : 2;
+                     const void* K, int64_t k_rs, int64_t k_hs, int kt, const void* V, int64_t v_rs,
+                     int64_t v_hs, int vt, const int64_t* slots, int64_t S, const int64_t* counts, float* out,
+                     int nthreads) {
+    const int64_t G = H / KVH, k_row = kv_row_bytes(kt, D), v_row = kv_row_bytes(vt, D);
     const uint8_t *Kb = (const uint8_t*)K, *Vb = (const uint8_t*)V;
     #pragma omp parallel num_threads(nthreads) if (B * KVH > 1)
     {
@@ -162,16 +167,18 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
         for (int64_t it = 0; it < B * KVH; ++it) {
             const int64_t b = it / KVH, kh = it % KVH, n = counts[b];
             const int64_t* sl = slots + b * S;
+            const uint8_t *kb = Kb + kh * k_hs, *vb = Vb + kh * v_hs;
             const float* qb = q + (rows[b] * H + kh * G) * D;
             float* ob = out + (rows[b] * H + kh * G) * D;
             for (int64_t s = 0; s < n; s += 4) {
                 const uint8_t* kr[4];
-                for (int j = 0; j < 4; ++j) kr[j] = Kb + (sl[s + j < n ? s + j : s] * rs + kh * D) * es;
-                for (int64_t j = s + PF_KEYS; j < s + PF_KEYS + 4 && j < n; ++j)  /* rows are scattered */
-                    for (int64_t off = 0; off < D * es; off += 64) {
-                        _mm_prefetch((const char*)(Kb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
-                        _mm_prefetch((const char*)(Vb + (sl[j] * rs + kh * D) * es + off), _MM_HINT_T0);
-                    }
+                for (int j = 0; j < 4; ++j) kr[j] = kb + sl[s + j < n ? s + j : s] * k_rs;
+                for (int64_t j = s + PF_KEYS; j < s + PF_KEYS + 4 && j < n; ++j) {  /* rows are scattered */
+                    for (int64_t off = 0; off < k_row; off += 64)
+                        _mm_prefetch((const char*)(kb + sl[j] * k_rs + off), _MM_HINT_T0);
+                    for (int64_t off = 0; off < v_row; off += 64)
+                        _mm_prefetch((const char*)(vb + sl[j] * v_rs + off), _MM_HINT_T0);
+                }
                 for (int64_t g = 0; g < G; ++g) {
                     const float* qg = qb + g * D;
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -195,22 +202,34 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
                     __m256 acc[8];
                     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
                     for (int64_t s = 0; s < n; ++s) {
-                        const void* vr = Vb + (sl[s] * rs + kh * D + d0) * es;
+                        const uint8_t* vr = vb + sl[s] * v_rs;
                         __m256 pv = _mm256_set1_ps(pg[s]);
-                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pv, load_kv(vr, 8 * r, kt), acc[r]);
+                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pv, load_kv(vr, d0 + 8 * r, vt), acc[r]);
                     }
                     for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
                 }
                 for (; d0 < D; d0 += 8) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int64_t s = 0; s < n; ++s)
-                        acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]),
-                                              load_kv(Vb + (sl[s] * rs + kh * D + d0) * es, 0, kt), acc);
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv(vb + sl[s] * v_rs, d0, vt), acc);
                     _mm256_storeu_ps(o + d0, acc);
                 }
             }
         }
         free(p);
+    }
+}
+
+/* out [n, KVH, D] fp32 = the values of the pool rows at slots[0 .. n) (head row (slot, kv head) at byte
+   slot * rs + kv_head * hs, stored as kt): the prefill's gather and dequantize in one pass. */
+void swa_kv_gather(const void* src, int64_t rs, int64_t hs, int kt, const int64_t* slots, int64_t n,
+                   int64_t KVH, int64_t D, float* out, int nthreads) {
+    const uint8_t* base = (const uint8_t*)src;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * KVH * D > 32768)
+    for (int64_t it = 0; it < n * KVH; ++it) {
+        const uint8_t* row = base + slots[it / KVH] * rs + (it % KVH) * hs;
+        float* o = out + it * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, load_kv(row, d, kt));
     }
 }
 

@@ -26,7 +26,8 @@ def fits(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's KV element types
+# the kernels' KV element types (native_ops.c load_kv); uint8 views hold q8_0 blocks
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -91,19 +92,48 @@ def router(x: torch.Tensor, rw: torch.Tensor, eps: float, w: torch.Tensor, k: in
 def decode_attn(q: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                 counts: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
     """Decode attention into out[rows] (q, out [T, H, D]): row b attends to the pool slots
-    slots[b, :counts[b]] of K/V ([num_slots, KVH, D] fp32 / fp16 / bf16 views whose head and dim strides
-    are (D, 1), any slot stride: the pool's own layout, nothing gathered). Scale 1; fp32 math."""
+    slots[b, :counts[b]] of K/V ([num_slots, KVH, R] pool views of fp32 / fp16 / bf16 values or q8_0
+    bytes (R = D / 32 * 34), each side its own type; contiguous head rows, any slot and head stride: the
+    pool's own layout, nothing gathered). Scale 1; fp32 math."""
     _, h, d = q.shape
     kvh = k.shape[1]
-    assert k.stride()[1:] == (d, 1) and v.stride() == k.stride() and h % kvh == 0, (k.stride(), v.stride())
+    assert kv_view_ok(k, d) and kv_view_ok(v, d) and h % kvh == 0, (k.shape, k.stride(), v.stride())
     assert rows.dtype == slots.dtype == counts.dtype == torch.int64 and slots.is_contiguous()
     b, s = slots.shape
-    kt = _KV_TYPES[k.dtype]
-    native.load().swa_decode_attn(q.data_ptr(), rows.data_ptr(), b, h, kvh, d, k.data_ptr(), v.data_ptr(),
-                                  k.stride(0), kt, slots.data_ptr(), s, counts.data_ptr(), out.data_ptr(),
+    ek, ev = k.element_size(), v.element_size()
+    native.load().swa_decode_attn(q.data_ptr(), rows.data_ptr(), b, h, kvh, d,
+                                  k.data_ptr(), k.stride(0) * ek, k.stride(1) * ek, _KV_TYPES[k.dtype],
+                                  v.data_ptr(), v.stride(0) * ev, v.stride(1) * ev, _KV_TYPES[v.dtype],
+                                  slots.data_ptr(), s, counts.data_ptr(), out.data_ptr(),
                                   threads if threads is not None else torch.get_num_threads())
 
 
+def kv_gather(src: torch.Tensor, slots: torch.Tensor, d: int, out: torch.Tensor | None = None,
+              threads: int | None = None) -> torch.Tensor:
+    """The values of the pool rows src[slots] (src a [num_slots, KVH, R] view as decode_attn takes, slots
+    [n] int64) as fp32 [n, KVH, d] (`out` when given): gather and dequantize in one pass."""
+    assert kv_view_ok(src, d) and slots.dtype == torch.int64 and slots.is_contiguous()
+    n, kvh = slots.numel(), src.shape[1]
+    if out is None:
+        out = torch.empty(n, kvh, d, dtype=torch.float32)
+    assert out.shape == (n, kvh, d) and out.dtype == torch.float32 and out.is_contiguous()
+    es = src.element_size()
+    native.load().swa_kv_gather(src.data_ptr(), src.stride(0) * es, src.stride(1) * es, _KV_TYPES[src.dtype],
+                                slots.data_ptr(), n, kvh, d, out.data_ptr(),
+                                threads if threads is not None else torch.get_num_threads())
+    return out
+
+
 def kv_dtype_ok(dtype: torch.dtype) -> bool:
-    """Whether decode_attn reads KV pools of this dtype."""
+    """Whether decode_attn reads KV pool views of this dtype (uint8: q8_0 blocks)."""
     return dtype in _KV_TYPES
+
+
+def kv_view_ok(t: torch.Tensor, d: int) -> bool:
+    """Whether a pool view [num_slots, KVH, R] of head dim d is one the native calls read: a CPU view of a
+    type they know, head rows contiguous, R matching d (d a multiple of 8, of 32 for q8_0)."""
+    if t.device.type != "cpu" or t.dtype not in _KV_TYPES or t.dim() != 3 or t.stride(2) != 1 or d % 8:
+        return False
+    if t.dtype == torch.uint8:
+        return d % 32 == 0 and t.shape[2] == d // 32 * 34
+    return t.shape[2] == d

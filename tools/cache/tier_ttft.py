@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     tier.io.close()
     fresh.cleanup()
 
-    full_b, swa_b = bytes_per_token(eng.model_config, eng.pool.dtype)
+    full_b, swa_b = bytes_per_token(eng.model_config, eng.pool.kv_format)
     W = eng.model_config.sliding_window
     print(f"model {eng.model_name}, prefix {args.prefix_len} + question {args.question_len} tokens, "
-          f"KV {str(eng.pool.dtype).removeprefix('torch.')}, threads {args.threads or 'all'}, "
+          f"KV {eng.pool.kv_format.name}, threads {args.threads or 'all'}, "
           f"host level {args.host_gb} GiB")
     print(f"{'request (max_tokens 1)':<34}{'wall s':>9}{'CPU s':>9}{'cached':>8}{'/prefill wall':>15}"
           f"{'/prefill CPU':>14}")

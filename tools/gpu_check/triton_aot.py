@@ -42,6 +42,8 @@ def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, An
         q_ptr="*bf16",
         k_ptr="*bf16",
         v_ptr="*bf16",
+        kw_ptr="*i16",
+        vw_ptr="*i16",
         o_ptr="*bf16",
         blk_seq_ptr="*i32",
         blk_start_ptr="*i32",
@@ -54,11 +56,15 @@ def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, An
         plse_ptr="*fp32",
     )
     for D, G in ((256, 2), (512, 8)):  # Gemma 4: 16/8 heads at 256, 16/2 at 512
-        bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G, SHARED_LIMIT.get(arch, 99 * 1024))
-        for kv in ("bf16", "fp16", "fp32"):
-            t = dict(att, k_ptr="*" + kv, v_ptr="*" + kv)
+        shared = SHARED_LIMIT.get(arch, 99 * 1024)
+        # KV types: K_TYPE / V_TYPE 0 float, 1 q8_0 (bytes), 2 fp8 (engine/attention/triton_kernels.py)
+        for kv, ptr, kt in (("bf16", "*bf16", 0), ("fp16", "*fp16", 0), ("fp32", "*fp32", 0),
+                            ("q8_0", "*u8", 1), ("fp8_e4m3", "*fp8e4nv", 2)):
+            t = dict(att, k_ptr=ptr, v_ptr=ptr)
+            types = dict(DOT_F32=kv == "fp32", K_TYPE=kt, V_TYPE=kt)
+            bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G, shared, q8=kt == 1)
             for sliding in (True, False):
-                c = dict(G=G, PAGE=16, D=D, BLOCK_M=bm, BLOCK_N=bn, SLIDING=sliding, DOT_F32=kv == "fp32")
+                c = dict(G=G, PAGE=16, D=D, BLOCK_M=bm, BLOCK_N=bn, SLIDING=sliding, **types)
                 out.append(
                     (
                         f"attn prefill D{D} kv {kv} {'swa' if sliding else 'full'}",
@@ -70,7 +76,7 @@ def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, An
                     )
                 )
             dbn, dw, dst = attention_kernels.decode_block_sizes(D)
-            c = dict(G=G, BLOCK_G=16, PAGE=16, D=D, BLOCK_N=dbn, SLIDING=True, DOT_F32=kv == "fp32")
+            c = dict(G=G, BLOCK_G=16, PAGE=16, D=D, BLOCK_N=dbn, SLIDING=True, **types)
             out.append((f"attn decode D{D} kv {kv}", attention_kernels._decode_kernel, t, c, dw, dst))
         reduce = attention_kernels._decode_reduce_kernel
         out.append((f"attn reduce D{D}", reduce, att, dict(D=D, BLOCK_S=64), 4, 3))

@@ -5,8 +5,8 @@ KV arena (engine/attention/kv_pool.py's ArenaKVPool): a slot holds one page reco
 the arena lays out pages (a block: one SWA page or full_per_block full pages), so a page moves with one
 copy.
 
-File layout: a 4 KiB file header (magic, format version, fingerprint, geometry), then one 64-byte record
-header per slot (full slots, then SWA slots), then the payload blocks (4 KiB aligned). A record header
+File layout: a 4 KiB file header (magic, format version, KV types, fingerprint, geometry), then one 64-byte
+record header per slot (full slots, then SWA slots), then the payload blocks (4 KiB aligned). A record header
 holds a magic, the kind, the page's radix-path key, the fingerprint of the model and KV layout and the
 CRC-32 of the payload. A write clears the header, copies the payload, then seals the header; a read checks
 header, fingerprint, key and CRC before it copies anything. So a torn write, a corrupted or truncated file,
@@ -14,6 +14,8 @@ a file of another model or layout, is detected and the record is not served (the
 file whose header or size does not match is reinitialised on open; a file shrunk while open is noticed
 before each read (no access beyond its end). On a GPU the copies go through this file's host mapping too
 (a pinned host-memory tier in front of it is not built).
+Records are the arena's bytes as they are (8-bit for q8_0 / fp8 KV); a file of another format version or
+KV types is refused with a warning naming both (and reinitialised), never read as this one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import struct
@@ -32,14 +35,19 @@ import torch
 
 from swaserve.engine.attention.kv_pool import ArenaKVPool
 
-MAGIC = b"SWAKVT01"
+log = logging.getLogger("swaserve.engine")
+
+MAGIC = b"SWAKVT"
+# 1: up to fp32 / fp16 / bf16 KV, no version field (magic b"SWAKVT01"); 2: the KV types in the header
+FORMAT_VERSION = 2
 FILE_NAME = "swaserve-kv.tier"
 FILE_HEADER = 4096
-# magic, fingerprint, blocks, full pages per block, page bytes (full, swa), payload offset
-FILE_HEAD = struct.Struct("<8s16sQQQQQ")
+# magic, format version, KV types ("k,v"), fingerprint, blocks, full pages per block, page bytes (full,
+# swa), payload offset
+FILE_HEAD = struct.Struct("<6sH32s16sQQQQQ")
 REC = struct.Struct("<4sB3x16s16sIQ")  # magic, kind, key, fingerprint, crc32, payload bytes
 REC_BYTES = 64
-REC_MAGIC = b"KVR1"
+REC_MAGIC = b"KVR2"  # format 1's records: b"KVR1"
 KIND_CODE = {"full": 1, "swa": 2}
 
 
@@ -66,6 +74,21 @@ def file_identity(path: str, sample: int = 1 << 20) -> tuple[int, str]:
             f.seek(max(sample, size - sample))
             h.update(f.read(sample))
     return size, h.hexdigest()
+
+
+def kv_types(pool: ArenaKVPool) -> str:
+    """The pool's KV storage types as the file header records them: "k,v" (e.g. "q8_0,q8_0")."""
+    return f"{pool.kv_format.k.name},{pool.kv_format.v.name}"
+
+
+def written_with(head: bytes) -> tuple[int, str] | None:
+    """(format version, KV types) of a file header's first bytes; None when it is no tier file."""
+    if head.startswith(b"SWAKVT01"):
+        return 1, "fp32, fp16 or bf16"
+    if len(head) < FILE_HEAD.size or not head.startswith(MAGIC):
+        return None
+    _, version, kv, *_ = FILE_HEAD.unpack_from(head)
+    return version, kv.rstrip(b"\0").decode(errors="replace")
 
 
 def copy_record(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -110,10 +133,17 @@ class MmapTierIO:
             os.close(self.fd)
             raise RuntimeError(
                 f"{self.path} is in use by another process (one --kv-offload-dir per server)") from e
-        head = FILE_HEAD.pack(MAGIC, fp, num_blocks, k, self.page_bytes["full"], self.page_bytes["swa"],
-                              self.payload_off)
+        kv = kv_types(pool)
+        head = FILE_HEAD.pack(MAGIC, FORMAT_VERSION, kv.encode(), fp, num_blocks, k, self.page_bytes["full"],
+                              self.page_bytes["swa"], self.payload_off)
         self.reinitialised = False
-        if os.fstat(self.fd).st_size != self.size or os.pread(self.fd, FILE_HEAD.size, 0) != head:
+        old = os.pread(self.fd, FILE_HEAD.size, 0)
+        if os.fstat(self.fd).st_size != self.size or old != head:
+            was = written_with(old)
+            if was is not None and was != (FORMAT_VERSION, kv):  # refused: never read as this format
+                log.warning("KV tier file %s was written by record format %d with KV %s; this server writes "
+                            "format %d with KV %s: its records are not used, the file is reinitialised",
+                            self.path, was[0], was[1], FORMAT_VERSION, kv)
             os.ftruncate(self.fd, 0)  # stale, torn or another layout: start empty (sparse)
             os.ftruncate(self.fd, self.size)
             os.pwrite(self.fd, head, 0)
