@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.core import EngineClosed, EngineOverloaded, RequestError, RequestFailed
+from swaserve.engine.core import EngineClosed, EngineOverloaded, GrammarFailed, RequestError, RequestFailed
 
 logger = logging.getLogger("swaserve.server")
 
@@ -59,6 +59,8 @@ def from_exception(e: BaseException) -> APIError:
         return e
     if isinstance(e, RequestError):
         return APIError(400, str(e), e.param)
+    if isinstance(e, GrammarFailed):  # the request's own grammar failed mid-generation
+        return APIError(400, str(e), None, "grammar_failed")
     if isinstance(e, EngineOverloaded):
         return APIError(503, str(e) or "the server is overloaded; retry later", None, "overloaded")
     if isinstance(e, EngineClosed):

@@ -107,7 +107,7 @@ class EngineLoop:
         core = self.core
         match msg:
             case AddRequest():
-                self.taken = msg.seq
+                self.taken = max(self.taken, msg.seq)  # one may pass another compiling its grammar
                 try:
                     core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors)
                 except RequestError as e:  # this request alone

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from swaserve.engine.core import GrammarSpec
 from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate, build_chat_template
+from swaserve.engine.text.grammar_check import llg_tokenizer
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
 from swaserve.server.chat import prompt as chat_prompt
@@ -52,6 +53,7 @@ class ChatPlan:
     grammar: GrammarSpec | None
     max_calls: int | None
     echo: str  # echo: the last message's content, prefixed to the reply (assistant messages only)
+    warning: str | None = None  # schema keywords the grammar does not enforce (the route logs it)
 
 
 def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
@@ -66,11 +68,14 @@ def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
     rf = req.response_format
     fmt = json_format(rf.type if rf else None, rf.json_schema.schema_ if rf and rf.json_schema else None,
                       rf.json_schema.strict if rf and rf.json_schema else None, "response_format")
-    grammar, max_calls = grammar_for(plan, fmt, req.parallel_tool_calls, chat_prompt.thinking_enabled(kwargs))
+    # the grammar is compiled once here (a worker process): one that crashes llguidance ends this worker
+    so = grammar_for(plan, fmt, req.parallel_tool_calls, chat_prompt.thinking_enabled(kwargs),
+                     tokenizer=template.tokenizer)
     echo = ""
     if req.echo and messages[-1]["role"] == "assistant":
         echo = messages[-1].get("content") or ""
-    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, grammar, max_calls, echo)
+    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, so.grammar, so.max_calls, echo,
+                    so.warning)
 
 
 # ---- in the worker process ----------------------------------------------------------------------------
@@ -87,6 +92,7 @@ def _worker_template(key: int, setup: bytes | None, limits: tuple[float, int]) -
     else:
         source, name, tokenizer = pickle.loads(setup)
         t = _templates[key] = build_chat_template(source, tokenizer, name=name)
+        llg_tokenizer(tokenizer)  # grammars are compiled here first (grammar_for): ready before a request
         while len(_templates) > MAX_TEMPLATES:
             _templates.popitem(last=False)
     t.limits = RenderLimits(*limits)
