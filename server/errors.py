@@ -160,4 +160,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestError, on_other)
     app.add_exception_handler(EngineOverloaded, on_other)
+    app.add_exception_handler(GrammarFailed, on_other)
     app.add_exception_handler(Exception, on_other)

@@ -87,6 +87,15 @@ def grammar_text(spec: GrammarSpec) -> str:
     raise RequestError(f"unknown grammar kind {spec.kind!r}", "grammar")
 
 
+DEAD_END = "no token can continue the output (a part of the schema admits no value)"
+
+
+def first_line(error: str) -> str:
+    """An llguidance error without the parser state it appends (a multi-line dump)."""
+    line = error.split("\n<state>", 1)[0].strip().split("\n", 1)[0][:ERROR_CHARS]
+    return DEAD_END if line == "NoExtensionBias" else line  # llguidance's word for a dead end
+
+
 def compile_matcher(lltok: Any, spec: GrammarSpec) -> Any:
     """A fresh LLMatcher for spec (llguidance drops the GIL while it compiles); RequestError when the
     grammar does not compile."""
@@ -95,7 +104,7 @@ def compile_matcher(lltok: Any, spec: GrammarSpec) -> Any:
     matcher = LLMatcher(lltok, grammar_text(spec), log_level=0,
                         limits=LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW))
     if matcher.is_error():
-        raise RequestError(f"cannot compile the grammar: {matcher.get_error()[:ERROR_CHARS]}", "grammar")
+        raise RequestError(f"cannot compile the grammar: {first_line(matcher.get_error())}", "grammar")
     return matcher
 
 
@@ -139,7 +148,7 @@ class GrammarState:
             if self.error is not None:
                 continue
             if not self.matcher.consume_token(int(tok)):
-                why = self.matcher.get_error()[:ERROR_CHARS]
+                why = first_line(self.matcher.get_error())
                 self.error = f"the grammar rejected token {int(tok)}: {why}"
 
     @property
@@ -208,7 +217,7 @@ class GrammarBackend:
             mask = np.empty(self.words, dtype=np.int32)
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, self.words * 4)
             if matcher.is_error():
-                raise RequestError(f"cannot compile the grammar: {matcher.get_error()[:ERROR_CHARS]}",
+                raise RequestError(f"cannot compile the grammar: {first_line(matcher.get_error())}",
                                    "grammar")
         except RequestError as e:
             with self._lock:
@@ -254,7 +263,10 @@ class GrammarBackend:
             self._executor.unsafe_compute_mask_ptr(live, out.ctypes.data, self.words * 4, len(states))
         for m, r in live:
             if m.is_error():  # e.g. a resource limit: the request fails (the runner reads st.error)
-                states[r].error = m.get_error()[:ERROR_CHARS]
+                states[r].error = first_line(m.get_error())
+                out[r] = self._eos_row
+            elif not out[r].any():  # a dead end (a part of the schema no value satisfies)
+                states[r].error = DEAD_END
                 out[r] = self._eos_row
         import torch
 

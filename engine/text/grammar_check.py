@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from swaserve.engine.core import GrammarSpec, RequestError
-from swaserve.engine.text.grammar import ERROR_CHARS, _TokenizerWrapper, compile_matcher
+from swaserve.engine.text.grammar import DEAD_END, _TokenizerWrapper, compile_matcher, first_line
 
 CHECK_STACK_BYTES = 8 << 20  # a Linux main thread's; the engine compiles with 8x as much
+FORCED_TOKENS = 256  # forced tokens followed before the second mask
 _lock = threading.Lock()
 _lltoks: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer), a few
 
@@ -44,14 +45,19 @@ def llg_tokenizer(tokenizer: Any) -> Any:
 
 def _check(spec: GrammarSpec, lltok: Any, vocab_size: int) -> list[str]:
     matcher = compile_matcher(lltok, spec)
+    warnings = list(matcher.get_grammar_warnings())
     words = (vocab_size + 31) // 32
     mask = np.zeros(words, dtype=np.int32)
-    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
-    if matcher.is_error():
-        raise RequestError(f"cannot compile the grammar: {matcher.get_error()[:ERROR_CHARS]}", "grammar")
-    if not mask.any() and not matcher.is_accepting():
-        raise RequestError("the grammar admits no output at all (an unsatisfiable schema?)", "grammar")
-    return list(matcher.get_grammar_warnings())
+    for _ in range(2):  # the first mask, and the one after the tokens the grammar forces (a call's head)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+        if matcher.is_error():
+            raise RequestError(f"cannot compile the grammar: {first_line(matcher.get_error())}", "grammar")
+        if not mask.any() and not matcher.is_accepting():
+            raise RequestError(f"cannot compile the grammar: {DEAD_END}", "grammar")
+        forced = matcher.compute_ff_tokens()[:FORCED_TOKENS]
+        if not forced or not matcher.consume_tokens(forced):
+            break
+    return warnings
 
 
 def check_grammar(spec: GrammarSpec, tokenizer: Any) -> list[str]:

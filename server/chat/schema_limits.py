@@ -6,10 +6,13 @@ Huge schemas compile for seconds and make every token mask slow. So every schema
 (`response_format`, each tool's `parameters` its grammar uses) is measured first, without recursion
 (server/chat/schema_walk.py), and a request over a limit is a 400 naming the limit and the field.
 
-The figures (docs/api.md "Limits"; `python -m tools.serving.grammar_limits` measures the thresholds):
-the smallest crash measured on an 8 MiB stack is a chain of ~1,900 `$ref`s; the limits stay far below
-what crashes and above what real clients send (OpenAI's structured outputs allow 5,000 properties and
-10 levels of nesting; pydantic models nest a few levels, with one `$ref` per model use).
+The figures (docs/api.md "Structured output limits"; `python -m tools.serving.grammar_limits` measures
+the thresholds in subprocesses): on an 8 MiB stack llguidance crashed from ~1,730 levels of nesting
+(counted as `expanded_depth` counts them: objects nested through $refs, arrays nested inline, chains of
+$refs), never for flat counts (16,384 anyOf branches, $refs or properties compiled). The depth limit is
+64, ~27x below the smallest crash (and the engine compiles with 8x that stack); the counts keep compile
+time and every token mask small, and stay above what real clients send (OpenAI's structured outputs
+allow 5,000 properties; pydantic models nest a few levels, one `$ref` per model use).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from swaserve.server.chat.schema_walk import children, expanded_depth, nesting_depth, reachable
 from swaserve.server.errors import bad_request
 
-MAX_SCHEMA_BYTES = 512 * 1024  # all the request's schemas together, as compact JSON
+MAX_SCHEMA_BYTES = 1 << 20  # all the request's schemas together, as compact JSON
 MAX_DEPTH = 64  # nesting of subschemas, in the text and along $refs (each $ref's target where it is used)
 MAX_REFS = 1024  # `$ref` occurrences
 MAX_BRANCHES = 1024  # anyOf + oneOf + allOf alternatives

@@ -4,8 +4,9 @@ response_format goes through llguidance's JSON schema support, which enforces th
 tool argument is not JSON (server/chat/tool_grammar.py), so its strings get these expressions. Each is a
 *subset* of what the format allows, written so that every match is valid under a format-checking
 validator (tests/server/chat/test_schema_grammar.py checks them with jsonschema_rs): ASCII digits,
-February stops at the 28th, hostnames have at most three labels, IPv6 is the full eight-group form,
-URIs are scheme://host[:port]/path. The same names as llguidance's formats.
+February stops at the 28th, hostnames have at most three labels (each starting with a letter), an
+email's local part at most 62 characters, IPv6 is the full eight-group form, URIs are
+scheme://host[:port]/path. The same names as llguidance's formats.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ FORMATS: dict[str, str] = {
     "time": TIME,
     "date-time": DATE + "T" + TIME,
     "duration": "P(?:" + _DDATE + "(?:" + _DTIME + ")?|" + _DTIME + "|[0-9]{1,2}W)",
-    "email": r"[A-Za-z0-9_+-]{1,32}(?:\.[A-Za-z0-9_+-]{1,32}){0,2}@" + _LABEL + r"(?:\." + _LABEL + r"){1,2}",
+    "email": r"[A-Za-z0-9_+-]{1,20}(?:\.[A-Za-z0-9_+-]{1,20}){0,2}@" + _LABEL + r"(?:\." + _LABEL + r"){1,2}",
     "hostname": HOSTNAME,
     "ipv4": _OCTET + r"(?:\." + _OCTET + r"){3}",
     "ipv6": _HEX4 + r"(?::" + _HEX4 + r"){7}",

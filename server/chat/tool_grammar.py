@@ -256,7 +256,8 @@ class GemmaSchemaGrammar:
         if k:
             first = f"{self.value(prefix[0])} {after}".strip()
         elif item is not None:
-            first = f'{item} {_repeat(f""""," {item}""", max(lo - 1, 0), None if hi is None else hi - 1)}'.strip()
+            more = _repeat(f'"," {item}', max(lo - 1, 0), None if hi is None else hi - 1)
+            first = f"{item} {more}".strip()
         else:
             first = ""
         if not first or hi == 0:

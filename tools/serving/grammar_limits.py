@@ -8,7 +8,9 @@ llguidance's JSON schema support; `gemma`: a tool whose parameters are the schem
 required, server/chat/tool_grammar.py), compiles it with the demo tokenizer on a thread with
 --stack-mb of stack (8 MiB: a Linux main thread), computes the first token mask, and reports ok / error
 (a clean llguidance or Python error) / crash (the process died) with the compile and first-mask CPU
-seconds. Sizes double from --start until a crash or --max, then the first crash is bisected. The kinds:
+seconds. Python's recursion limit is lifted in the probe (the server never recurses that deep: its
+limits come first), so what is measured is llguidance's. Sizes double from --start until a crash or
+--max, then the first crash is bisected. The kinds:
 
   refchain   $defs d0 -> d1 -> ... -> dN, each just a $ref to the next
   refnest    each $def an object whose one property is a $ref to the next
@@ -74,6 +76,7 @@ from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 from tools.serving.grammar_limits import schema_text
 
 kind, n, target, stack_mb = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+sys.setrecursionlimit(10**6)  # past Python's own limit: the probe is for what llguidance does
 text = schema_text(kind, n)
 tok = Tokenizer.from_metadata(demo_tokenizer_metadata())
 lltok = llguidance.LLTokenizer(_TokenizerWrapper(tok, 1), n_vocab=tok.vocab_size, eos_token=[1])

@@ -18,8 +18,6 @@ from swaserve.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from swaserve.models.demo.tokenizer import demo_tokenizer_metadata
 from swaserve.server.chat.reasoning import ChatOutputParser
 
-EOS = 1  # the demo tokenizer's <eos>
-
 
 @functools.lru_cache(maxsize=1)
 def tokenizer() -> Tokenizer:
@@ -52,15 +50,17 @@ def sample(spec: GrammarSpec, rng: random.Random, cap: int = 400) -> list[int] |
     mask = np.zeros(words, dtype=np.int32)
     out: list[int] = []
     closers = _closers()
+    eos = np.array(sorted(tok.eos_ids))  # <eos>, <turn|>, <|tool_response>: the grammar's stop tokens
     for _ in range(cap):
         m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
         assert not m.is_error(), m.get_error()[:500]
         ok = allowed(mask)
         assert len(ok), "a mask with no token allowed"
-        if EOS in ok and (len(ok) == 1 or rng.random() < 0.5):
+        stops = np.intersect1d(ok, eos)
+        if len(stops) and (len(stops) == len(ok) or rng.random() < 0.5):
             assert m.is_accepting()
             return out
-        ok = ok[ok != EOS]
+        ok = np.setdiff1d(ok, eos, assume_unique=True)
         near = np.intersect1d(ok, closers, assume_unique=True)
         pick = int(rng.choice(list(near)) if len(near) and rng.random() < 0.5 else rng.choice(list(ok)))
         assert m.consume_token(pick), m.get_error()[:500]

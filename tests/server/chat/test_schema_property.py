@@ -65,8 +65,9 @@ def string(draw) -> dict[str, Any]:
     return _opt({"type": "string", "maxLength": hi}, minLength=draw(st.one_of(st.none(), st.integers(0, hi))))
 
 
+ENUMS = st.lists(LITERALS, min_size=1, max_size=4, unique_by=json.dumps)
 LEAVES = st.one_of(integer(), number(), string(), st.just({"type": "boolean"}), st.just({"type": "null"}),
-                   st.builds(lambda v: {"enum": v}, st.lists(LITERALS, min_size=1, max_size=4, unique_by=json.dumps)),
+                   st.builds(lambda v: {"enum": v}, ENUMS),
                    st.builds(lambda v: {"const": v}, st.one_of(LITERALS, st.just({"k": [1, "v"]}))),
                    st.just({"type": ["integer", "null"], "minimum": 0, "maximum": 9}))
 
@@ -94,10 +95,9 @@ def _extend(child: st.SearchStrategy) -> st.SearchStrategy:
         return {"type": "array", "prefixItems": draw(st.lists(child, min_size=1, max_size=2)),
                 "items": draw(st.sampled_from([False, {"type": "boolean"}]))}
 
-    disjoint = st.lists(st.sampled_from([{"type": "string", "maxLength": 3}, {"type": "integer"},
-                                         {"type": "boolean"}, {"type": "null"}, {"type": "array", "maxItems": 1,
-                                                                                "items": {"type": "null"}}]),
-                        min_size=2, max_size=3, unique_by=lambda s: s["type"])
+    kinds = [{"type": "string", "maxLength": 3}, {"type": "integer"}, {"type": "boolean"}, {"type": "null"},
+             {"type": "array", "maxItems": 1, "items": {"type": "null"}}]
+    disjoint = st.lists(st.sampled_from(kinds), min_size=2, max_size=3, unique_by=lambda s: s["type"])
     return st.one_of(obj(), arr(), st.builds(lambda b: {"anyOf": b}, st.lists(child, min_size=2, max_size=3)),
                      st.builds(lambda b: {"oneOf": b}, disjoint),
                      st.builds(lambda s: {"allOf": [s]}, child))
