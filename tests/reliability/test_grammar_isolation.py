@@ -9,7 +9,10 @@ subprocess (engine process, chat worker processes: the defaults), measured as th
     optional) are 400s at once;
   * crash probe: the 1,000-$ref chain and the 2,000-anyOf schema that made llguidance overflow its stack
     in the engine process are 400s, every process of the server lives on, and the next request is
-    served.
+    served;
+  * fuzz: random schemas (tests/server/chat/schema_strategies.py, as response_format or as a strict
+    tool) sent while a stream runs: each is a 200 or a 400, the stream keeps receiving tokens, and every
+    process of the server lives on after each.
 The windows and the request bodies come from tools/serving/grammar_stall.py (its CLI prints the same
 figures)."""
 
@@ -17,14 +20,19 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tools.serving.grammar_stall import case_body, start_server, window
+from tests.server.chat.schema_strategies import schemas
+from tools.serving.grammar_stall import _stream, case_body, start_server, window
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +98,41 @@ def test_crash_probe_leaves_the_engine_alive(served):
     assert family <= _family(child), "a process of the server died"
     ok = httpx.post(url + "/v1/chat/completions", json={"messages": user, "max_tokens": 4}, timeout=120)
     assert ok.status_code == 200 and httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def streaming(served) -> Iterator[list]:
+    """A long stream for the whole fuzz test: its (arrival, gap) pairs."""
+    _, url = served
+    gaps: list[tuple[float, float]] = []
+    stop, started = threading.Event(), threading.Event()
+    t = threading.Thread(target=_stream, args=(url, stop, gaps, started), daemon=True)
+    t.start()
+    assert started.wait(120)
+    yield gaps
+    stop.set()
+    t.join(120)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schemas(), st.sampled_from(["response_format", "tool"]))
+def test_fuzz_random_schemas_against_the_live_server(served, streaming, schema, path):
+    child, url = served
+    family = _family(child)
+    user = [{"role": "user", "content": "go"}]
+    if path == "tool":
+        params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema}}
+        body = {"messages": user, "max_tokens": 40, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}]}
+    else:
+        body = {"messages": user, "max_tokens": 40, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": schema}}}
+    seen = len(streaming)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code in (200, 400), r.text[:300]
+    deadline = time.monotonic() + 30
+    while len(streaming) <= seen + 2 and time.monotonic() < deadline:  # the other stream goes on
+        time.sleep(0.05)
+    assert len(streaming) > seen + 2
+    assert child.alive() and family <= _family(child)
