@@ -45,6 +45,11 @@ class RequestFailed(RuntimeError):
     """One request failed while being served (the others go on); the server answers 500 with its id."""
 
 
+class GrammarFailed(RequestFailed):
+    """A request's grammar failed during generation (a matcher error, e.g. an llguidance resource limit):
+    that request ends with this error (the server answers 400, or an error event in a stream)."""
+
+
 class RequestError(ValueError):
     """Bad request input the engine detects (e.g. prompt longer than the context); HTTP 400."""
 

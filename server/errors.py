@@ -17,6 +17,7 @@ from swaserve.engine.core import (
     EngineClosed,
     EngineOverloaded,
     EngineUnavailable,
+    GrammarFailed,
     RequestError,
     RequestFailed,
 )
@@ -65,6 +66,8 @@ def from_exception(e: BaseException) -> APIError:
         return e
     if isinstance(e, RequestError):
         return APIError(400, str(e), e.param)
+    if isinstance(e, GrammarFailed):  # the request's own grammar failed mid-generation
+        return APIError(400, str(e), None, "grammar_failed")
     if isinstance(e, EngineOverloaded):
         return APIError(503, str(e) or "the server is overloaded; retry later", None, "overloaded")
     if isinstance(e, EngineUnavailable):  # the engine process died or froze: restarting, or gone
@@ -167,4 +170,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, on_other)
     app.add_exception_handler(EngineOverloaded, on_other)
     app.add_exception_handler(EngineUnavailable, on_other)  # a 503 answered here, not Starlette's last resort
+    app.add_exception_handler(GrammarFailed, on_other)
     app.add_exception_handler(Exception, on_other)

@@ -137,7 +137,7 @@ class EngineLoop:
         core = self.core
         match msg:
             case AddRequest():
-                self.taken = msg.seq
+                self.taken = max(self.taken, msg.seq)  # one may pass another compiling its grammar
                 core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors)
             case AddReqs():
                 self.taken = msg.seq

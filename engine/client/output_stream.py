@@ -22,7 +22,7 @@ from swaserve.engine.client.messages import (
     Reply,
     Stepped,
 )
-from swaserve.engine.core import EngineOverloaded, RequestError, RequestFailed, RequestOutput
+from swaserve.engine.core import EngineOverloaded, GrammarFailed, RequestError, RequestFailed, RequestOutput
 
 Stream = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
@@ -168,6 +168,9 @@ async def read_choices(request_id: str, q: asyncio.Queue, n: int, streams: dict[
             if isinstance(item, BaseException):
                 raise item
             if item.error is not None:  # this request failed alone (engine log: the traceback)
+                kind, _, why = item.error.partition(": ")
+                if kind == GrammarFailed.__name__:  # its grammar: the client's to know
+                    raise GrammarFailed(why)
                 raise RequestFailed(f"request {request_id} failed in the engine: {item.error}")
             if item.finished:
                 done.add(item.index)

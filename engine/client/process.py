@@ -15,7 +15,8 @@ The engine process runs the engine loop (engine/client/loop.py) in its main thre
 thread that only moves bytes (the server's sender and reader, the engine's receiver), so neither the
 event loop nor a model step ever waits on a full pipe; a third thread of the engine process beats
 (engine/client/heartbeat.py). Requests are validated in the server before they are sent
-(engine/validation.py, the checks the engine makes; a grammar is compiled in the engine process), so
+(engine/validation.py, the checks the engine makes; a grammar is compiled in the engine
+process on a compile thread before the loop sees the request, engine/client/compile_gate.py), so
 errors reach the client as 400s before any output.
 
 An engine process that exits, freezes or stalls is killed and replaced (engine/client/restart.py:
@@ -36,6 +37,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from swaserve.engine.client.compile_gate import CompileGate
 from swaserve.engine.client.heartbeat import Beat, Pulse, new_shared
 from swaserve.engine.client.loop import EngineLoop
 from swaserve.engine.client.messages import (
@@ -86,10 +88,12 @@ def _engine_main(factory: EngineFactory, cfg: EngineConfig, inbox: Connection, o
     outbox.send(Ready(core.model_name, core.context_length, core.model_config, core.tokenizer_metadata,
                       dict(core.generation_defaults), loop.stats()))
 
+    gate = CompileGate(loop.put, core.grammar)  # grammars compile off the loop's thread
+
     def receive() -> None:  # moves messages off the pipe so the server's sends never block
         try:
             while True:
-                loop.put(inbox.recv())
+                gate.put(inbox.recv())
         except (EOFError, OSError):  # the server is gone
             loop.put(Stop())
 
@@ -97,6 +101,7 @@ def _engine_main(factory: EngineFactory, cfg: EngineConfig, inbox: Connection, o
     try:
         loop.run()
     finally:  # a Stop or the server gone: seal the KV tier's queued writes, join its thread
+        gate.close()
         core.close()
 
 

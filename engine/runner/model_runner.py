@@ -114,6 +114,10 @@ class ModelRunner:
                                   r.token_ids[:r.prompt_len] if p.repetition_penalty != 1.0 else (),
                                   r.output_ids if penal else (), banned))
         bitmask = self.grammar.fill(states) if states and self.grammar is not None else None
+        for j, st in zip(grammar_rows, states):  # a matcher that failed fails its request (GrammarFailed)
+            failure = st.failure()
+            if failure is not None:
+                self.failed.setdefault(batch.reqs[sel[j]], failure)
         res, failed_rows = sample_isolated(logits, rows, grammar_rows, bitmask)
         for j, b in enumerate(sel):
             if j in failed_rows:

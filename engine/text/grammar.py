@@ -6,14 +6,20 @@ has the table): it compiles a schema or a tool-call grammar in 1-6 ms (xgrammar 
 special token match text, which Gemma's `<|"|>`-delimited strings need.
 
 Life of a constraint:
-  * the request carries a `GrammarSpec` (plain data); `GrammarBackend.check` compiles it once (cached by
-    spec) and raises RequestError for a bad grammar, off the server's event loop;
+  * the server builds the `GrammarSpec` (plain data) in a chat worker process, after its limits
+    (server/chat/schema_limits.py), and compiles it there once first (engine/text/grammar_check.py): a
+    grammar that crashes llguidance kills that worker, not the engine;
+  * `GrammarBackend.check` compiles it in the engine (cached by spec, failures too) and raises
+    RequestError for a bad grammar; the engine process compiles on a thread of its own before the step
+    loop sees the request (engine/client/compile_gate.py), so no compile stalls other users' steps;
   * the model runner gives each constrained Req its own `GrammarState` (a copy of the compiled matcher)
     at its first sample, and before every sample brings it up to date with the Req's output ids, so a
     preempted and re-prefilled request resumes exactly where it was;
   * `fill` writes one bitmask row per constrained row of the batch (the others pay nothing), the
     sampler applies it (engine/runner/sampling.py `apply_token_bitmask`);
-  * once the grammar is complete only the EOS ids are allowed: the request ends with a stop token;
+  * once the grammar is complete only the EOS ids are allowed: the request ends with a stop token; a
+    matcher that fails (an llguidance error, a rejected token) fails its request (GrammarFailed, an
+    error to the client), it does not end it as if complete;
   * the engine drops the state when the request finishes.
 """
 
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from swaserve.engine.core import GrammarSpec, RequestError
+from swaserve.engine.core import GrammarFailed, GrammarSpec, RequestError
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +47,13 @@ log = logging.getLogger("swaserve.engine")
 # `json.dumps` and pretty-printed JSON all fit), bounded so that a weak model cannot loop on whitespace.
 JSON_WHITESPACE = r"[ ]|\n[ \t]{0,20}"
 _CACHE_SIZE = 64
+ERROR_CHARS = 300  # of an llguidance error, in a message
+# llguidance's parser limits, the same wherever a grammar is compiled. A row of the Earley parser holds
+# every item that may come next: an object whose n properties are all optional has ~4n (JSON) or ~3n
+# (Gemma) at its `{`; the default (2,000) fails 500 optional properties mid-generation. The server allows
+# 1,000 optional properties per object (server/chat/schema_limits.py); the per-step cap on items
+# (50,000, llguidance's default) still bounds every mask.
+MAX_ITEMS_IN_ROW = 8000
 
 
 def json_options(strict: bool) -> dict[str, Any]:
@@ -53,6 +66,46 @@ def json_lark(schema: dict[str, Any], strict: bool = False) -> str:
     sch = dict(schema)
     sch["x-guidance"] = {**json_options(strict), **(schema.get("x-guidance") or {})}
     return "%json " + json.dumps(sch, ensure_ascii=False)
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar of a spec (what LLMatcher compiles); RequestError when it is unreadable."""
+    from llguidance import LLMatcher
+
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the JSON schema is not valid JSON: {e}", "response_format") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("the JSON schema must be an object", "response_format")
+        return LLMatcher.grammar_from_json_schema(spec.source, defaults=json_options(False))
+    if spec.kind == "lark":
+        return LLMatcher.grammar_from_lark(spec.source)
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.source)
+    raise RequestError(f"unknown grammar kind {spec.kind!r}", "grammar")
+
+
+DEAD_END = "no token can continue the output (a part of the schema admits no value)"
+
+
+def first_line(error: str) -> str:
+    """An llguidance error without the parser state it appends (a multi-line dump)."""
+    line = error.split("\n<state>", 1)[0].strip().split("\n", 1)[0][:ERROR_CHARS]
+    return DEAD_END if line == "NoExtensionBias" else line  # llguidance's word for a dead end
+
+
+def compile_matcher(lltok: Any, spec: GrammarSpec) -> Any:
+    """A fresh LLMatcher for spec (llguidance drops the GIL while it compiles); RequestError when the
+    grammar does not compile."""
+    from llguidance import LLMatcher, LLParserLimits
+
+    matcher = LLMatcher(lltok, grammar_text(spec), log_level=0,
+                        limits=LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW))
+    if matcher.is_error():
+        raise RequestError(f"cannot compile the grammar: {first_line(matcher.get_error())}", "grammar")
+    return matcher
 
 
 class _TokenizerWrapper:
@@ -79,7 +132,7 @@ class GrammarState:
         self.matcher = matcher
         self.spec = spec
         self.consumed = 0  # output tokens fed to the matcher
-        self.failed = False  # the matcher rejected a token: only EOS is allowed from then on
+        self.error: str | None = None  # why the matcher failed; only EOS is allowed from then on
 
     def sync(self, output_ids: Sequence[int]) -> None:
         """Feed the output tokens the matcher has not seen (rolls back if it saw more)."""
@@ -92,12 +145,21 @@ class GrammarState:
                 self.consumed = n
         for tok in output_ids[self.consumed:n]:
             self.consumed += 1
-            if self.failed:
+            if self.error is not None:
                 continue
             if not self.matcher.consume_token(int(tok)):
-                self.failed = True
-                log.warning("grammar rejected token %d: %s; only EOS is allowed from here", tok,
-                            self.matcher.get_error()[:300])
+                why = first_line(self.matcher.get_error())
+                self.error = f"the grammar rejected token {int(tok)}: {why}"
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def failure(self) -> GrammarFailed | None:
+        """The request's error once the matcher failed."""
+        if self.error is None:
+            return None
+        return GrammarFailed(f"the structured-output grammar failed during generation: {self.error}")
 
     @property
     def done(self) -> bool:
@@ -122,6 +184,7 @@ class GrammarBackend:
         self._lltok: Any = None
         self._executor: Any = None
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec -> fresh matcher (a template)
+        self._refused: OrderedDict[GrammarSpec, RequestError] = OrderedDict()  # spec -> why it failed
         eos_row = np.zeros(self.words, dtype=np.uint32)
         for i in self.eos_ids:
             eos_row[i // 32] |= np.uint32(1 << (i % 32))
@@ -138,39 +201,30 @@ class GrammarBackend:
                 self._executor = llguidance.LLExecutor(num_threads=self.threads)
             return self._lltok
 
-    def _grammar_text(self, spec: GrammarSpec) -> str:
-        from llguidance import LLMatcher
-
-        if spec.kind == "json_schema":
-            try:
-                schema = json.loads(spec.source)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"the JSON schema is not valid JSON: {e}", "response_format") from None
-            if not isinstance(schema, (dict, bool)):
-                raise RequestError("the JSON schema must be an object", "response_format")
-            return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=json_options(False))
-        if spec.kind == "lark":
-            return LLMatcher.grammar_from_lark(spec.source)
-        if spec.kind == "regex":
-            return LLMatcher.grammar_from_regex(spec.source)
-        raise RequestError(f"unknown grammar kind {spec.kind!r}", "grammar")
-
     def _template(self, spec: GrammarSpec) -> Any:
         with self._lock:
             hit = self._compiled.get(spec)
             if hit is not None:
                 self._compiled.move_to_end(spec)
                 return hit
-        from llguidance import LLMatcher
-
+            refused = self._refused.get(spec)
+        if refused is not None:  # a failure is not compiled again (the compile gate already tried)
+            raise RequestError(str(refused), refused.param)
         lltok = self._llg_tokenizer()
-        text = self._grammar_text(spec)
-        err = LLMatcher.validate_grammar(text, lltok)
-        if err:
-            raise RequestError(f"cannot compile the grammar: {err.splitlines()[0][:500]}", "grammar")
-        matcher = LLMatcher(lltok, text, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"cannot compile the grammar: {matcher.get_error()[:500]}", "grammar")
+        try:
+            matcher = compile_matcher(lltok, spec)
+            # the first mask builds the lexer states every copy shares: here, not in a step's fill
+            mask = np.empty(self.words, dtype=np.int32)
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, self.words * 4)
+            if matcher.is_error():
+                raise RequestError(f"cannot compile the grammar: {first_line(matcher.get_error())}",
+                                   "grammar")
+        except RequestError as e:
+            with self._lock:
+                self._refused[spec] = e
+                while len(self._refused) > _CACHE_SIZE:
+                    self._refused.popitem(last=False)
+            raise
         with self._lock:
             self._compiled[spec] = matcher
             while len(self._compiled) > _CACHE_SIZE:
@@ -180,6 +234,11 @@ class GrammarBackend:
     def check(self, spec: GrammarSpec) -> None:
         """Compile (or find compiled) `spec`; RequestError when it is not a valid grammar."""
         self._template(spec)
+
+    def ready(self, spec: GrammarSpec) -> bool:
+        """Whether check(spec) answers at once (compiled, or refused, before)."""
+        with self._lock:
+            return spec in self._compiled or spec in self._refused
 
     def new_state(self, spec: GrammarSpec) -> GrammarState:
         template = self._template(spec)
@@ -192,7 +251,7 @@ class GrammarBackend:
         out = np.empty((len(states), self.words), dtype=np.int32)
         live: list[tuple[Any, int]] = []
         for r, st in enumerate(states):
-            if st.failed:
+            if st.error is not None:
                 out[r] = self._eos_row
             else:
                 live.append((st.matcher, r))
@@ -203,9 +262,11 @@ class GrammarBackend:
             self._llg_tokenizer()
             self._executor.unsafe_compute_mask_ptr(live, out.ctypes.data, self.words * 4, len(states))
         for m, r in live:
-            if m.is_error():  # e.g. a resource limit: end the request instead of sampling garbage
-                log.warning("grammar error: %s; only EOS is allowed from here", m.get_error()[:300])
-                states[r].failed = True
+            if m.is_error():  # e.g. a resource limit: the request fails (the runner reads st.error)
+                states[r].error = first_line(m.get_error())
+                out[r] = self._eos_row
+            elif not out[r].any():  # a dead end (a part of the schema no value satisfies)
+                states[r].error = DEAD_END
                 out[r] = self._eos_row
         import torch
 

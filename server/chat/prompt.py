@@ -84,6 +84,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     declared: list[dict[str, Any]] = field(default_factory=list)  # every declared function
     strict: bool = False  # some function is declared `strict: true`
+    strict_names: tuple[str, ...] = ()  # the functions declared `strict: true` (their grammar must hold)
 
     @property
     def parse(self) -> bool:
@@ -119,15 +120,15 @@ def tool_plan(tools_in: list[Tool] | None, choice_in: Any, functions: list[Funct
         if t.function.parameters is not None:
             fn["parameters"] = t.function.parameters
         declared.append({"type": "function", "function": fn})
+    strict_names = tuple(t.function.name for t in tools_in if t.function.strict)
     if named:
         if choice_in.function.name not in {t.function.name for t in tools_in}:
             raise bad_request(f"tool_choice names function {choice_in.function.name!r}, which is not in "
                               "tools", "tool_choice")
-        return ToolPlan(declared, "named", choice_in.function.name, declared)
+        return ToolPlan(declared, "named", choice_in.function.name, declared, strict_names=strict_names)
     if choice_in == "none":  # the model is not told about the tools at all
         return ToolPlan(None, "none", None, declared)
-    strict = any(t.function.strict for t in tools_in)
-    return ToolPlan(declared, choice_in or "auto", None, declared, strict)
+    return ToolPlan(declared, choice_in or "auto", None, declared, bool(strict_names), strict_names)
 
 
 def template_kwargs(chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Annotated, Any
 
@@ -27,6 +28,7 @@ from swaserve.server.tracking import RequestTracker, tracked
 from swaserve.server.usage import usage_dict
 
 router = APIRouter()
+logger = logging.getLogger("swaserve.server")
 
 
 @router.post("/v1/chat/completions")
@@ -54,6 +56,8 @@ async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
     if req.audio is not None or "audio" in (req.modalities or []):
         raise bad_request("audio output is not supported (text only)", "audio" if req.audio else "modalities")
     cp = await body.planned(state)  # rendering and tokenizing: in a worker process
+    if cp.warning:  # schema keywords a non-strict grammar does not enforce (server/chat/structured.py)
+        logger.warning("%s: %s", rid, cp.warning)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from swaserve.engine.core import GrammarSpec
 from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate, build_chat_template
+from swaserve.engine.text.grammar_check import llg_tokenizer
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
 from swaserve.server.chat import prompt as chat_prompt
@@ -54,6 +55,7 @@ class ChatPlan:
     grammar: GrammarSpec | None
     max_calls: int | None
     echo: str  # echo: the last message's content, prefixed to the reply (assistant messages only)
+    warning: str | None = None  # schema keywords the grammar does not enforce (the route logs it)
 
 
 def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
@@ -73,13 +75,16 @@ def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
     if vllm is not None and vllm.fmt is not None:
         fmt = vllm.fmt
     parallel = False if legacy_functions(req) else req.parallel_tool_calls  # the old API: one call
-    grammar, max_calls = grammar_for(plan, fmt, parallel, chat_prompt.thinking_enabled(kwargs))
+    # the grammar is compiled once here (a worker process): one that crashes llguidance ends this worker
+    so = grammar_for(plan, fmt, parallel, chat_prompt.thinking_enabled(kwargs), tokenizer=template.tokenizer)
+    grammar = so.grammar
     if vllm is not None and vllm.spec is not None:
         grammar = vllm.spec  # a regex, choice or grammar: the whole reply
     echo = ""
     if req.echo and messages[-1]["role"] == "assistant":
         echo = messages[-1].get("content") or ""
-    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, grammar, max_calls, echo)
+    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, grammar, so.max_calls, echo,
+                    so.warning)
 
 
 # ---- in the worker process ----------------------------------------------------------------------------
@@ -96,6 +101,7 @@ def _worker_template(key: int, setup: bytes | None, limits: tuple[float, int]) -
     else:
         source, name, tokenizer = pickle.loads(setup)
         t = _templates[key] = build_chat_template(source, tokenizer, name=name)
+        llg_tokenizer(tokenizer)  # grammars are compiled here first (grammar_for): ready before a request
         while len(_templates) > MAX_TEMPLATES:
             _templates.popitem(last=False)
     t.limits = RenderLimits(*limits)

@@ -11,6 +11,7 @@ response.completed (or response.incomplete with incomplete_details.reason max_ou
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -85,6 +86,8 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
                            "previous_response_id", "previous_response_not_found")
     chat_req = await run_cpu(_chat_request, req, prev.items if prev else None)  # every item: off the loop
     cp: ChatPlan = await plan_chat(state, chat_req)  # in a worker process
+    if cp.warning:  # schema keywords a non-strict grammar does not enforce (server/chat/structured.py)
+        logging.getLogger("swaserve.server").warning("%s: %s", rid, cp.warning)
     rename = {"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs",
               "grammar": "text.format" if cp.plan.choice in ("none", "auto") else "tool_choice"}
     params = build_params(req, req.max_output_tokens, None, engine.tokenizer.vocab_size,
