@@ -138,4 +138,4 @@ def completion_grammar(req: GuidedFields) -> tuple[GrammarSpec | None, str | Non
     from swaserve.server.chat.prompt import ToolPlan
     from swaserve.server.chat.structured import grammar_for
 
-    return grammar_for(ToolPlan(), g.fmt, None, False)[0], g.param
+    return grammar_for(ToolPlan(), g.fmt, None, False).grammar, g.param

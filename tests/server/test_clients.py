@@ -41,10 +41,6 @@ class Move(BaseModel):
 
 
 USER = [{"role": "user", "content": "What time is it?"}]
-# cases that wait on issue 27 item 1 (tool arguments honouring numeric bounds; a no-parameter tool being
-# exactly {}): the schema compiler's rewrite. Strict: once it is merged they pass, and this mark must go.
-NEEDS_ITEM_1 = pytest.mark.xfail(strict=True, reason="issue 27 item 1: the tool grammar ignores numeric "
-                                 "bounds and lets an empty-properties object grow keys")
 
 
 # ---- openai SDK ------------------------------------------------------------------------------------
@@ -55,7 +51,6 @@ def test_openai_beta_chat_completions_parse(client: openai.OpenAI):
     assert isinstance(r.choices[0].message.parsed, Answer)
 
 
-@NEEDS_ITEM_1
 def test_openai_chat_parse_with_a_pydantic_function_tool(client: openai.OpenAI):
     tool = openai.pydantic_function_tool(Move, name="move")
     r = client.chat.completions.parse(model=SERVED, messages=USER, tools=[tool], max_tokens=MAX,
@@ -115,7 +110,6 @@ def test_langchain_structured_output_json_schema(server: LiveServer):
     assert isinstance(out, Answer)
 
 
-@NEEDS_ITEM_1
 def test_langchain_structured_output_function_calling(server: LiveServer):
     llm = _chat_openai(server).with_structured_output(Move, method="function_calling")
     assert isinstance(llm.invoke("Which way?"), Move)
@@ -159,7 +153,6 @@ def _settings(ag: Any, **kw: Any) -> Any:
     return ag.ModelSettings(temperature=0.0, max_tokens=MAX, **kw)
 
 
-@NEEDS_ITEM_1
 def test_agents_sdk_handoff(server: LiveServer):
     async def body(ag: Any, model: Callable[..., Any]) -> Any:
         clock = ag.Agent(name="Clock", instructions="Tell the time.", model=model(), output_type=Answer,
