@@ -24,6 +24,7 @@ class Output:
     logprobs: list[TokenLogprob] | None
     index: int = 0  # choice index (n > 1)
     matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: first None
 
 
 class LLM:
@@ -91,6 +92,8 @@ class LLM:
                 out.cached_tokens = o.cached_tokens
                 if o.logprobs and out.logprobs is not None:
                     out.logprobs.extend(o.logprobs)
+                if o.prompt_logprobs is not None:
+                    out.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     out.finish_reason = o.finish_reason
                     out.matched_stop = o.matched_stop

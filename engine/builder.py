@@ -183,7 +183,9 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         for t in pool.tensors():
             t.fill_(0)
     log.info("KV memory: %s", plan.describe(P, model_cfg))
-    runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device)
+    # prompt logprobs: as many all-vocabulary logit rows at a time as a full sampling step (the peak step)
+    runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device,
+                         logprob_rows=sched_cfg.max_running_requests + 1)
     if graphs_on:  # CUDA: capture at start, not mid-serving
         del graph_hold
         torch.cuda.empty_cache()  # the held bytes (and the peak-step reservation) back to the driver: the

@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 1024  # stop strings, and stop token ids, per request
 MAX_STOP_LENGTH = 1024  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300 tokens)
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20  # top alternatives per token, of the output (logprobs) and of the prompt (prompt_logprobs)
 
 
 class EngineOverloaded(RuntimeError):
@@ -76,7 +77,7 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None = up to the context length
+    max_tokens: int | None = 16  # None = up to the context length; 0 = only prefill the prompt (no token)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -89,6 +90,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus top-k
+    # None = off; k >= 0 = each prompt token's logprob and rank plus the top-k, computed in the prefill
+    # (engine/runner/prompt_logprobs.py; the first token has none). The prompt is then not reused from the
+    # prefix cache (docs/cache.md), only inserted into it.
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
     skip_special_tokens: bool = True
@@ -105,8 +110,8 @@ class SamplingParams:
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise RequestError(f"{name} must be a finite number", name)
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT:
-            raise RequestError("max_tokens must be at least 1", "max_tokens")
+        if self.max_tokens is not None and not 0 <= self.max_tokens <= MAX_INT:
+            raise RequestError("max_tokens must be at least 0", "max_tokens")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
             raise RequestError("seed must fit in 64 bits", "seed")
         if not 0.0 <= self.temperature <= 2.0:
@@ -125,8 +130,10 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
                                "repetition_penalty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError("top_logprobs must be in [0, 20]", "top_logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
         if not 1 <= self.n <= 16:
             raise RequestError("n must be in [1, 16]", "n")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -165,6 +172,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # prompt logprobs: tokens at least as likely, itself included (1 = the top)
 
 
 @dataclass
@@ -183,6 +191,8 @@ class RequestOutput:
     completion_tokens: int  # total so far for this choice
     matched_stop: str | int | None = None
     error: str | None = None  # set on the last output of a choice that failed (its own data was at fault)
+    # params.prompt_logprobs: one entry per prompt token, the first None; on the choice's first output only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 Phase = Literal["prefill", "decode", "mixed"]
@@ -225,6 +235,10 @@ class Req:
     # grammar matcher state (engine/text/grammar.py GrammarState), made by the model runner at the first
     # sample; it follows output_ids (so preemption and re-prefill leave it valid); dropped at finish
     grammar: object | None = None
+    # params.prompt_logprobs: entry i is prompt token i + 1's (from the row of position i), appended by the
+    # engine as the prefill chunks run; handed out once, with the choice's first output
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     # timings (time.monotonic), filled by the engine
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -241,6 +255,30 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status == ReqStatus.FINISHED
+
+    @property
+    def prompt_rows_needed(self) -> bool:
+        """Whether prompt logprob rows are still to be computed (row i of the prefill gives token i + 1's)."""
+        return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) < self.prompt_len - 1)
+
+    @property
+    def reuse_limit(self) -> int | None:
+        """The most tokens admission may reuse from the prefix cache: a request computing prompt logprobs
+        runs every row it has no logprob of yet (None = no limit)."""
+        return len(self.prompt_logprobs) if self.prompt_rows_needed else None
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs (first token None) for the choice's first output, once all are in; None
+        otherwise (not asked, handed out already, or the request ended before its prefill did)."""
+        if self.params.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        if len(self.prompt_logprobs) < self.prompt_len - 1:
+            return None
+        out: list[TokenLogprob | None] = [None, *self.prompt_logprobs]
+        self.prompt_logprobs_sent = True
+        self.prompt_logprobs = []
+        return out
 
 
 @dataclass

@@ -188,6 +188,8 @@ class Engine:
         t2 = time.perf_counter()
         for req, exc in self.runner.failed.items():  # fails that request alone, before update sees it
             outs.extend(self._fail_request(req, exc))
+        for req, lps in self.runner.prompt_logprobs.items():  # this step's prompt rows, in position order
+            req.prompt_logprobs.extend(lps)
         step_outs = self.scheduler.update(batch, tokens, logprobs)
         t3 = time.perf_counter()
         outs.extend(self._process(step_outs))
@@ -234,6 +236,10 @@ class Engine:
         outs: list[RequestOutput] = []
         for so in step_outs:
             if so.token_id is None:
+                if so.finished:  # max_tokens 0: the prompt is in, no token
+                    if so.req.index == 0:
+                        self.prompt_tokens_total += so.req.prompt_len
+                    outs.extend(self._finish_output(so.req, [], []))
                 continue
             try:
                 outs.extend(self._process_one(so))
@@ -264,7 +270,8 @@ class Engine:
             self.scheduler.finish(req, "stop", matched)
             return self._finish_output(req, [so.token_id], lps, text, flush=False)
         return [RequestOutput(req.request_id, req.index, text, [so.token_id], lps or None, False,
-                              None, req.prompt_len, req.cached_tokens or 0, req.output_len)]
+                              None, req.prompt_len, req.cached_tokens or 0, req.output_len,
+                              prompt_logprobs=req.take_prompt_logprobs())]
 
     def _finish_output(self, req: Req, new_ids: list[int], lps: list[TokenLogprob], text: str = "",
                        flush: bool = True) -> list[RequestOutput]:
@@ -280,7 +287,8 @@ class Engine:
         del self._texts[req]
         req.finish_time = time.monotonic()
         out = RequestOutput(req.request_id, req.index, text, new_ids, lps or None, True, req.finish_reason,
-                            req.prompt_len, req.cached_tokens or 0, req.output_len, req.matched_stop)
+                            req.prompt_len, req.cached_tokens or 0, req.output_len, req.matched_stop,
+                            prompt_logprobs=req.take_prompt_logprobs())
         choices = self._open.get(req.request_id)
         if choices is not None and all(c.finished for c in choices):
             del self._open[req.request_id]
@@ -301,6 +309,8 @@ class Engine:
         """KVManager.on_admit: on a request's first admission, log why its reuse stopped where it did."""
         if req.cached_tokens is None and req.index == 0:
             matched, reason = snapshot.explain_reuse(self.cache, req.token_ids, m.reused_len)
+            if req.reuse_limit is not None and matched - m.reused_len >= self.cache.page_size:
+                reason = "prompt_logprobs"  # not reused: its prompt logprobs need every row
             self.reuse_log.record(req.request_id, req.prompt_len, m.reused_len, matched, reason)
 
     def _pools(self) -> dict[str, dict[str, Any]]:

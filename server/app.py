@@ -30,6 +30,7 @@ from swaserve.server.responses.retrieve import router as stored_responses_router
 from swaserve.server.responses.route import router as responses_router
 from swaserve.server.responses.store import ResponseStore
 from swaserve.server.state import ServerConfig, ServerState
+from swaserve.server.tokenizer_info import router as tokenizer_info_router
 from swaserve.server.ui.route import router as ui_router
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ def build_app(engine: EngineClient | Callable[[], EngineClient],
     app.include_router(completions_router)
     app.include_router(embeddings_router)  # a 400 envelope: no embeddings from a generative model
     app.include_router(misc_router)
+    app.include_router(tokenizer_info_router)  # GET /tokenizer_info (vLLM's; lm-evaluation-harness)
     app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)

@@ -17,6 +17,7 @@ from swaserve.server.leniency import check_fields
 from swaserve.server.logprobs import TokenText, completion_logprobs
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
+from swaserve.server.prompt_logprobs import FormattedPrompt, engine_prompt_logprobs, format_prompt
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
@@ -66,6 +67,7 @@ class _Choice:
     cached_tokens: int = 0
     offset: int = 0
     logprobs: dict[str, list[Any]] | None = None
+    prompt_logprobs: list[Any] | None = None  # vLLM's, when the request asked for them
 
 
 @router.post("/v1/completions")
@@ -87,14 +89,17 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt and, with logprobs, "
+                          "its logprobs)", "max_tokens")
     prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
     grammar, grammar_param = completion_grammar(req)  # vLLM's guided_* / structured_outputs
     rename = {"top_logprobs": "logprobs", "grammar": grammar_param or "grammar"}
+    plp = engine_prompt_logprobs(req.logprobs if req.echo else None, req.prompt_logprobs)
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), rename, max_stop=state.cfg.max_stop_sequences,
-                          skip_special_tokens=req.skip_special_tokens, grammar=grammar)
+                          skip_special_tokens=req.skip_special_tokens, grammar=grammar,
+                          prompt_logprobs=plp, min_max_tokens=0 if req.echo else 1)
     gens = []
     for i, (ids, _) in enumerate(prompts):
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
@@ -112,6 +117,7 @@ class _Ctx(RouteCtx):
                  prompts: list[tuple[list[int], str]], token_text: TokenText, tracker: RequestTracker):
         super().__init__(state, req, rid, model, tracker)
         self.prompts, self.token_text = prompts, token_text
+        self.formatted: dict[int, FormattedPrompt] = {}  # choice index -> its prompt logprobs, formatted
         self.choices: dict[int, _Choice] = {}
         for p, (ids, text) in enumerate(prompts):
             for j in range(req.n):
@@ -120,8 +126,22 @@ class _Ctx(RouteCtx):
                     c.offset = len(text)
                 self.choices[p * req.n + j] = c
 
-    def apply(self, p: int, out: RequestOutput) -> tuple[int, str, dict[str, Any] | None]:
-        """Feed one output of prompt p; returns (choice index, text delta, logprobs delta)."""
+    async def prepare(self, item: tuple[int, RequestOutput]) -> None:
+        """Also format a choice's prompt logprobs (its first output's) on a worker thread."""
+        await super().prepare(item)
+        p, out = item
+        if out.prompt_logprobs is not None:
+            ids, text = self.prompts[p]
+            tok = self.token_text.tok
+            bos_added = ids[0] == tok.bos_id and not text.startswith(tok.id_to_piece(tok.bos_id))
+            echo_k = self.req.logprobs if self.req.echo else None
+            self.formatted[p * self.req.n + out.index] = await run_cpu(
+                format_prompt, ids, out.prompt_logprobs, self.token_text, self.req.prompt_logprobs, echo_k,
+                bos_added)
+
+    def apply(self, p: int, out: RequestOutput) -> tuple[int, str, dict[str, Any] | None, list[Any] | None]:
+        """Feed one output of prompt p; returns (choice index, text delta, logprobs delta, vLLM's prompt
+        logprobs when they came with this output)."""
         self.tracker.on_output(p, out)
         idx = p * self.req.n + out.index
         c = self.choices[idx]
@@ -132,17 +152,24 @@ class _Ctx(RouteCtx):
         c.prompt_tokens = out.prompt_tokens
         c.cached_tokens = out.cached_tokens
         c.completion_tokens = out.completion_tokens
-        lps = None
+        fp = self.formatted.pop(idx, None)
+        parts = [fp.echo] if fp is not None and fp.echo is not None else []  # echo: the prompt's first
         if self.req.logprobs is not None and out.logprobs:
-            lps = completion_logprobs(out.logprobs, self.token_text, self.req.logprobs, c.offset)
-            c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1]) if lps["tokens"] else c.offset
+            part = completion_logprobs(out.logprobs, self.token_text, self.req.logprobs, c.offset)
+            c.offset = part["text_offset"][-1] + len(part["tokens"][-1]) if part["tokens"] else c.offset
+            parts.append(part)
+        lps = None
+        if self.req.logprobs is not None and parts:
+            lps = {key: [v for part in parts for v in part[key]] for key in parts[0]}
             if c.logprobs is None:
                 c.logprobs = {k: [] for k in lps}
             for key, v in lps.items():
                 c.logprobs[key].extend(v)
+        if fp is not None and fp.vllm is not None:
+            c.prompt_logprobs = fp.vllm
         if out.finished:
             c.finish_reason = out.finish_reason
-        return idx, echo + out.text, lps
+        return idx, echo + out.text, lps, fp.vllm if fp is not None else None
 
     def _totals(self) -> tuple[int, int, int]:
         prompt = sum(self.choices[p * self.req.n].prompt_tokens for p in range(len(self.prompts)))
@@ -168,7 +195,10 @@ class _Ctx(RouteCtx):
                 empty: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                 "text_offset": []}
                 lps = c.logprobs or empty
-            out.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
+            choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = c.prompt_logprobs
+            out.append(choice)
         self.log_finish()
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": out, "usage": self.usage()}
@@ -178,8 +208,11 @@ class _Ctx(RouteCtx):
 
     def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
         p, out = item
-        idx, text, lps = self.apply(p, out)
-        if not (text or lps or out.finished):
+        idx, text, lps, prompt_lps = self.apply(p, out)
+        if not (text or lps or out.finished or prompt_lps):
             return None
-        return {"index": idx, "text": text, "logprobs": lps,
-                "finish_reason": out.finish_reason if out.finished else None}
+        choice = {"index": idx, "text": text, "logprobs": lps,
+                  "finish_reason": out.finish_reason if out.finished else None}
+        if prompt_lps is not None:  # with the choice's first output (vLLM refuses them streamed)
+            choice["prompt_logprobs"] = prompt_lps
+        return choice

@@ -82,11 +82,15 @@ def merge_defaults(gguf: dict[str, float], flag: dict[str, float]) -> dict[str, 
 
 def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
                  defaults: dict[str, float] | None = None, rename: dict[str, str] | None = None,
-                 max_stop: int = DEFAULT_MAX_STOP, **extra: Any) -> SamplingParams:
+                 max_stop: int = DEFAULT_MAX_STOP, min_max_tokens: int = 1, **extra: Any) -> SamplingParams:
     """Request fields over `defaults` -> SamplingParams; 400 naming the field (SamplingParams name ->
-    `rename`d). `max_stop`: --max-stop-sequences. `extra`: further SamplingParams fields (grammar,
-    special-token handling)."""
+    `rename`d). `max_stop`: --max-stop-sequences. `min_max_tokens`: 0 where a request may only prefill
+    (completions' echo). `extra`: further SamplingParams fields (grammar, special-token handling, prompt
+    logprobs)."""
     defaults = defaults or {}
+    if max_tokens is not None and max_tokens < min_max_tokens:
+        name = (rename or {}).get("max_tokens", "max_tokens")
+        raise APIError(400, f"{name} must be at least {min_max_tokens}", name, "invalid_value")
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()

@@ -220,6 +220,7 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM: the prompt tokens' logprobs, top-k (server/prompt_logprobs.py)
     # no-ops or refused when set to something (server/leniency.py)
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -234,8 +235,9 @@ PromptType = str | list[int] | list[list[int]] | list[str]
 class CompletionRequest(SamplingFields, GuidedFields):
     prompt: PromptType
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = None  # with echo: also over the prompt (the first token null)
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM: the prompt tokens' logprobs, top-k (server/prompt_logprobs.py)
     best_of: int | None = None
     suffix: str | None = None
 

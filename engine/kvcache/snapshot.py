@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
-REASONS = ("no_match", "window_evicted", "page_alignment")
+REASONS = ("no_match", "window_evicted", "page_alignment", "prompt_logprobs")  # the last: engine.py
 StateWalk = Generator[None, None, dict[str, Any]]
 WalkDone = Callable[[dict[str, Any] | None, BaseException | None], None]  # (result, error)
 

@@ -8,6 +8,7 @@ from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.core import Batch, Req, TokenLogprob
 from swaserve.engine.model_api import CausalLM
+from swaserve.engine.runner import prompt_logprobs
 from swaserve.engine.runner.cuda_graphs import DecodeGraphs
 from swaserve.engine.runner.sampling import SampleRow, make_generator, sample_isolated
 from swaserve.engine.runner.staging import pack_to_device, to_device
@@ -57,9 +58,11 @@ def build_metadata(batch: Batch, page_size: int, window: int, device: torch.devi
 
 
 class ModelRunner:
-    """Runs one Batch: forward over the paged pools, logits of the sampling rows, sampling."""
+    """Runs one Batch: forward over the paged pools, logits of the sampling rows, sampling; the prompt
+    logprobs of the prefill rows that need them (engine/runner/prompt_logprobs.py)."""
 
-    def __init__(self, model: CausalLM, pool: KVPool, page_size: int, window: int, device: torch.device):
+    def __init__(self, model: CausalLM, pool: KVPool, page_size: int, window: int, device: torch.device,
+                 logprob_rows: int = 64):
         self.model = model
         self.pool = pool
         self.page_size = page_size
@@ -72,19 +75,28 @@ class ModelRunner:
         # decode steps through static buffers / CUDA graphs per batch bucket (engine/runner/cuda_graphs.py);
         # set by the engine builder on CUDA, None = every step eager
         self.graphs: DecodeGraphs | None = None
+        # prompt logprobs of the last execute, per request (engine/runner/prompt_logprobs.py), computed over
+        # at most logprob_rows rows of all-vocabulary logits at a time
+        self.prompt_logprobs: dict[Req, list[TokenLogprob]] = {}
+        self.logprob_rows = logprob_rows
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         self.failed = {}
+        self.prompt_logprobs = {}
         sel = [b for b, s in enumerate(batch.sample) if s]
         tokens: list[int | None] = [None] * len(batch.reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(batch.reqs)
-        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        prompt_rows = prompt_logprobs.plan_rows(batch)
+        bucket = self.graphs.bucket(batch) if self.graphs is not None and not prompt_rows else None
         if bucket is not None:  # decode-only: every row samples
             logits = self.graphs.run(batch, bucket)  # [B, V] fp32
         else:
             meta = build_metadata(batch, self.page_size, self.window, self.device)
             ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
             hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
+            if prompt_rows:
+                self.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, prompt_rows,
+                                                               self.logprob_rows)
             cu = meta.cu_q_lens
             if not sel:
                 return tokens, logprobs

@@ -53,13 +53,16 @@ class KVManager:
     # ---- admission ------------------------------------------------------------------------
     def admit(self, req: Req) -> int:
         """Match the request's tokens against the cache and lock the hit; returns the reused length.
-        With a second tier, what the prompt can reuse from it is promoted into the cache first."""
+        With a second tier, what the prompt can reuse from it is promoted into the cache first. A request
+        computing prompt logprobs reuses at most the positions whose logprobs it has (Req.reuse_limit)."""
         assert req.handle is None and not req.full_pages
+        limit = req.reuse_limit  # prompt logprobs: the rows not computed yet are not reused
+        ids = req.token_ids if limit is None else req.token_ids[:limit + 1]  # match reuses <= len - 1
         gained = 0
         if self.tier is not None:
-            gained = promotion.promote(self.cache, req.token_ids, self.alloc_pages, self.free_pages)
+            gained = promotion.promote(self.cache, ids, self.alloc_pages, self.free_pages)
             self.tier.unpin(req)  # what its prefetch pinned is in the tree now (or was read from the file)
-        m = self.cache.match(req.token_ids)
+        m = self.cache.match(ids)
         if req.cached_tokens is None:  # the part of the reported reuse the tier served
             reused = min(m.reused_len, req.prompt_len)
             req.offload_cached = reused - min(m.reused_len - gained, req.prompt_len)

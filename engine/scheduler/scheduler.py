@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """What one step did to one request: a new token (or none: a prefill chunk) and/or a finish."""
+    """What one step did to one request: a new token (or none: a prefill chunk) and/or a finish (with no
+    token: a max_tokens 0 request whose prompt is in)."""
 
     req: Req
     token_id: int | None
@@ -131,7 +132,8 @@ class Scheduler:
             reqs=reqs,
             q_lens=[plan[r] for r in reqs],
             prefix_lens=[r.num_computed for r in reqs],
-            sample=[r.num_computed + plan[r] == len(r.token_ids) for r in reqs],
+            # max_tokens 0: the chunk that ends the prompt samples nothing
+            sample=[r.num_computed + plan[r] == len(r.token_ids) < r.max_len for r in reqs],
         ), aborted
 
     def _admit(self, budget: int, plan: dict[Req, int]) -> None:
@@ -172,6 +174,13 @@ class Scheduler:
             assert req.num_computed == start
             req.num_computed = start + q
             extend = not (q == 1 and start == len(req.token_ids) - 1)
+            if not batch.sample[b] and req.num_computed == len(req.token_ids):  # max_tokens 0: done
+                req.finish_reason = "length"
+                self.running.remove(req)
+                self.kv.release(req, finished=True)
+                req.status = ReqStatus.FINISHED
+                outs.append(StepOutput(req, None, None, True))
+                continue
             if not batch.sample[b]:
                 self.kv.cache_prefix(req)
                 self.kv.drop_out_of_window(req)

@@ -20,6 +20,7 @@ from swaserve.server.leniency import check_fields, report_fields
 from swaserve.server.logprobs import TokenText, chat_logprobs
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
+from swaserve.server.prompt_logprobs import engine_prompt_logprobs, format_prompt
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
@@ -67,7 +68,8 @@ async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
         rename["grammar"] = vllm.param
     params = build_params(req, max_tokens, k, engine.tokenizer.vocab_size, state.sampling_defaults(), rename,
                           max_stop=state.cfg.max_stop_sequences, skip_special_tokens=False,
-                          mark_special_tokens=True, grammar=cp.grammar)
+                          mark_special_tokens=True, grammar=cp.grammar,
+                          prompt_logprobs=engine_prompt_logprobs(None, req.prompt_logprobs))
 
     def new_choice() -> ChatChoice:
         return ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,
@@ -78,6 +80,7 @@ async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choices, TokenText(engine.tokenizer), k or 0, tracker, cp.echo)
     ctx.param_rename = rename
+    ctx.prompt_ids = cp.prompt_ids
     return await ctx.respond(stream, request)
 
 
@@ -95,6 +98,25 @@ class _Ctx(RouteCtx):
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None
         self.legacy = legacy.legacy_functions(req)  # the old functions API: reply with function_call
+        # vLLM's prompt_logprobs (server/prompt_logprobs.py), of the prompt's ids; streamed: on the next chunk
+        self.prompt_ids: list[int] = []
+        self.prompt_logprobs: list[Any] | None = None
+        self.unsent_prompt_logprobs: list[Any] | None = None
+
+    async def prepare(self, item: tuple[int, RequestOutput]) -> None:
+        """Also format the prompt logprobs (choice 0's first output) on a worker thread."""
+        await super().prepare(item)
+        out = item[1]
+        if out.prompt_logprobs is not None and out.index == 0 and self.req.prompt_logprobs is not None:
+            fp = await run_cpu(format_prompt, self.prompt_ids, out.prompt_logprobs, self.token_text,
+                               self.req.prompt_logprobs, None)
+            self.prompt_logprobs = self.unsent_prompt_logprobs = fp.vllm
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        d = super().chunk(choices, usage)
+        if choices and self.unsent_prompt_logprobs is not None:
+            d["prompt_logprobs"], self.unsent_prompt_logprobs = self.unsent_prompt_logprobs, None
+        return d
 
     def apply(self, out: RequestOutput) -> tuple[Any, list[dict[str, Any]]]:
         """Feed one engine output; returns this step's parsed delta and logprobs."""
@@ -138,8 +160,11 @@ class _Ctx(RouteCtx):
                                 "logprobs": {"content": c.logprobs} if self.req.logprobs else None,
                                 "finish_reason": self.reason(c)})
         self.log_finish()
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+        body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": out_choices, "usage": self.usage()}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
 
     def collect(self, item: tuple[int, RequestOutput]) -> None:
         self.apply(item[1])

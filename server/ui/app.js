@@ -3,7 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const REASONS = { no_match: "no match", window_evicted: "window evicted", page_alignment: "page alignment" };
+const REASONS = { no_match: "no match", window_evicted: "window evicted", page_alignment: "page alignment",
+                  prompt_logprobs: "prompt logprobs" };
 let conversation = [];  // OpenAI messages of the current chat (system prompt added per request)
 let modelId = null;
 let autoTimer = null;

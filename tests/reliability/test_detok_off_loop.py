@@ -1,7 +1,7 @@
 """Logprob and echo text is detokenized off the event loop (issue 14 item 2): a tokenizer whose decode and
 token_bytes record where they run sees no call on a thread running an event loop while completions and
-chat requests with logprobs (top alternatives included) and echo are served, streamed and not; the calls
-that name the top alternatives happen on the worker pool (server/off_loop.py)."""
+chat requests with logprobs (top alternatives included), echo and prompt logprobs are served, streamed
+and not; the calls that name the top alternatives happen on the worker pool (server/off_loop.py)."""
 
 from __future__ import annotations
 
@@ -53,12 +53,17 @@ REQUESTS = [
                                            {"role": "assistant", "content": "so"}],
                               "max_tokens": 4, "echo": True, "add_generation_prompt": False,
                               "continue_final_message": True, "logprobs": True, "top_logprobs": 3}),
+    ("/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 2, "echo": True, "logprobs": 5,
+                         "prompt_logprobs": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "prompt_logprobs": 4}),
 ]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path,body", REQUESTS,
-                         ids=["cmpl-logprobs", "cmpl-echo", "chat-logprobs", "chat-echo"])
+                         ids=["cmpl-logprobs", "cmpl-echo", "chat-logprobs", "chat-echo",
+                              "cmpl-prompt-logprobs", "chat-prompt-logprobs"])
 def test_no_detokenizing_on_the_event_loop(live: Any, recorded: list, path: str, body: dict,
                                            stream: bool) -> None:
     s = live()
@@ -69,6 +74,6 @@ def test_no_detokenizing_on_the_event_loop(live: Any, recorded: list, path: str,
             assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
     on_loop = [c for c in recorded if c[1]]
     assert not on_loop, f"detokenized on the event loop: {on_loop[:5]}"
-    if body.get("logprobs"):
+    if body.get("logprobs") or body.get("prompt_logprobs"):
         worker = {i for name, _, ids in recorded if name.startswith("swaserve-cpu") for i in ids}
         assert len(worker) > 2, recorded  # the tokens and their alternatives, off the loop
