@@ -1,5 +1,5 @@
 """POST /v1/embeddings: this server runs a generative model (Gemma 4) and serves no embeddings. The
-route exists so that a client gets an OpenAI error envelope saying so (400, `code:
+route exists so that a client gets an OpenAI error envelope saying so (404, `code:
 model_does_not_support_embeddings`, `param: model`) after its body is checked like any other (a bad body
 is a 400 naming the field, another model a 404), instead of a bare 404 for an unknown path."""
 
@@ -31,7 +31,7 @@ async def embeddings(body: Annotated[EmbeddingRequest, Depends(json_body(Embeddi
                      request: Request) -> Response:
     state: ServerState = request.app.state.swa
     model = state.check_model(body.model)  # 503 while loading, 404 for another model
-    raise APIError(400, f"The model `{model}` does not support embeddings: this server runs a generative "
+    raise APIError(404, f"The model `{model}` does not support embeddings: this server runs a generative "
                    "model (Gemma 4) and serves chat, completions and responses only", "model",
                    "model_does_not_support_embeddings")
 

@@ -9,11 +9,11 @@ import pytest
 from tests.server.conftest import SERVED, LiveServer
 
 
-def test_embeddings_is_a_400_saying_so(client: openai.OpenAI):
+def test_embeddings_is_a_404_saying_so(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=SERVED, input=["a", "b"])
     body = e.value.body
-    assert e.value.status_code == 400 and body["type"] == "invalid_request_error"
+    assert e.value.status_code == 404 and body["type"] == "invalid_request_error"
     assert body["param"] == "model" and body["code"] == "model_does_not_support_embeddings"
     assert "does not support embeddings" in body["message"]
 
