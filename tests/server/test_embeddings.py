@@ -10,7 +10,7 @@ from tests.server.conftest import SERVED, LiveServer
 
 
 def test_embeddings_is_a_404_saying_so(client: openai.OpenAI):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.embeddings.create(model=SERVED, input=["a", "b"])
     body = e.value.body
     assert e.value.status_code == 404 and body["type"] == "invalid_request_error"
