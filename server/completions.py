@@ -16,6 +16,7 @@ from swaserve.server.leniency import check_fields
 from swaserve.server.logprobs import TokenText, completion_logprobs
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
+from swaserve.server.prompt_tokens import LONG_PROMPT_CHARS, encode_prompt
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
@@ -26,16 +27,19 @@ from swaserve.server.usage import usage_dict
 router = APIRouter()
 
 
-def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
-    """[(token ids, prompt text for echo)]."""
+def _items(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
-    items: list[str | list[int]]
     if isinstance(p, str):
-        items = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        items = [list(p)]  # type: ignore[arg-type]
-    else:
-        items = list(p)  # type: ignore[arg-type]
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any,
+             encoded: dict[int, list[int]]) -> list[tuple[list[int], str]]:
+    """[(token ids, prompt text for echo)]; `encoded`: the ids of the long texts, by item."""
+    items = _items(req)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     out = []
@@ -43,7 +47,9 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
-            ids = tokenizer.encode(item, add_bos=not item.startswith(tokenizer.id_to_piece(tokenizer.bos_id)))
+            ids = encoded.get(i)
+            if ids is None:
+                ids = tokenizer.encode(item, add_bos=_add_bos(tokenizer, item))
             out.append((ids, item))
         else:
             if not item:
@@ -53,6 +59,22 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size "
                                   f"{tokenizer.vocab_size})", "prompt")
             out.append((list(item), tokenizer.decode(item, skip_special_tokens=False)))
+    return out
+
+
+def _add_bos(tokenizer: Any, text: str) -> bool:
+    return not text.startswith(tokenizer.id_to_piece(tokenizer.bos_id))
+
+
+async def _encode_texts(state: ServerState, req: CompletionRequest, tokenizer: Any,
+                        context_length: int) -> dict[int, list[int]]:
+    """The ids of the long prompt texts (longer than LONG_PROMPT_CHARS or the context in characters:
+    bounded in memory, a 400 when they cannot fit, server/prompt_tokens.py), by item; the short ones are
+    encoded with the rest."""
+    out = {}
+    for i, item in enumerate(_items(req)):
+        if isinstance(item, str) and (len(item) >= LONG_PROMPT_CHARS or len(item) > context_length):
+            out[i] = await encode_prompt(state, tokenizer, item, _add_bos(tokenizer, item), context_length)
     return out
 
 
@@ -88,7 +110,8 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
         raise bad_request("best_of other than n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
+    encoded = await _encode_texts(state, req, engine.tokenizer, engine.context_length)
+    prompts = await run_cpu(_prompts, req, engine.tokenizer, encoded)  # tokenizing: off the event loop
     params = build_params(req, req.max_tokens, req.logprobs, engine.tokenizer.vocab_size,
                           state.sampling_defaults(), {"top_logprobs": "logprobs"},
                           max_stop=state.cfg.max_stop_sequences, skip_special_tokens=req.skip_special_tokens)
