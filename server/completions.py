@@ -71,8 +71,9 @@ async def _encode_texts(state: ServerState, req: CompletionRequest, tokenizer: A
     """The ids of the long prompt texts (longer than LONG_PROMPT_CHARS or the context in characters:
     bounded in memory, a 400 when they cannot fit, server/prompt_tokens.py), by item; the short ones are
     encoded with the rest."""
+    items = [req.prompt] if isinstance(req.prompt, str) else await run_cpu(_items, req)  # O(ids): a thread
     out = {}
-    for i, item in enumerate(_items(req)):
+    for i, item in enumerate(items):
         if isinstance(item, str) and (len(item) >= LONG_PROMPT_CHARS or len(item) > context_length):
             out[i] = await encode_prompt(state, tokenizer, item, _add_bos(tokenizer, item), context_length)
     return out

@@ -75,7 +75,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-processes", type=bounded_number("--worker-processes", int, min=1, max=64),
                    default=None, metavar="N",
                    help="processes that render chat templates, tokenize long prompts and parse large bodies "
-                        "(default: half the usable cores, 2 to 8; a large body holds at most N - 1 of them)")
+                        "(default: half the usable cores, 2 to 8; with N >= 2 a large body holds at most "
+                        "N - 1)")
     g.add_argument("--max-connections", type=bounded_number("--max-connections", int, min=1), default=None,
                    metavar="N", help="open connections beyond N get a 503 and are closed at once (default: "
                    "below the open-file limit, at most 4096)")

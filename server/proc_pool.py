@@ -158,7 +158,11 @@ class ProcPool:
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
+            with self._lock:  # workers are handed out under it: handed to us, or never will be
+                handed = fut.done() and not fut.cancelled() and fut.exception() is None
+                if not handed:
+                    fut.cancel()
+            if handed:
                 self._release(fut.result())  # handed to us as we were cancelled
             raise
 

@@ -57,6 +57,17 @@ def test_limits_apply_to_one_template(tok: Tokenizer) -> None:
     assert len(ChatTemplate(TEMPLATE, tok).render(_msgs("BIG")).text) > 6000
 
 
+def test_time_off_the_cpu_does_not_count(tok: Tokenizer) -> None:
+    """2 s of waiting (the rendering thread descheduled, as a worker at nice +5 on a loaded machine is)
+    within a 0.5 s budget: the budget counts CPU time, so the render completes."""
+    ct = ChatTemplate("{% for i in range(40) %}{{ nap(0.05) }}{% endfor %}{{ messages[0].content }}", tok,
+                      limits=RenderLimits(time_s=TIMEOUT_S))
+    ct._template.globals["nap"] = time.sleep  # a stand-in for the time other processes take the CPU
+    t0 = time.monotonic()
+    assert ct.render(_msgs("hi")).text.endswith("hi")
+    assert time.monotonic() - t0 >= 2.0
+
+
 def test_values_built_on_the_way_count_against_the_configured_size(tok: Tokenizer) -> None:
     ct = ChatTemplate("{% set s = 'ab' * 3000 %}{{ s | length }}", tok,
                       limits=RenderLimits(max_chars=MAX_CHARS))

@@ -114,6 +114,23 @@ def test_a_cancelled_call_keeps_its_worker_until_it_ends(pool: ProcPool) -> None
     asyncio.run(go())
 
 
+def test_a_call_cancelled_while_waiting_takes_no_worker(pool: ProcPool) -> None:
+    async def go() -> None:
+        await _warm(pool)
+        running = [asyncio.ensure_future(pool.run(_sleep, (1, i))) for i in range(2)]
+        await _until(lambda: pool.busy() == 2)
+        waiting = [asyncio.ensure_future(pool.run(_sleep, (0, "w"))) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        for w in waiting:
+            w.cancel()
+        await asyncio.gather(*running)
+        await _until(lambda: pool.busy() == 0, 60)
+        out = await asyncio.wait_for(asyncio.gather(*(pool.run(_sleep, (0.2, i)) for i in range(2))), 60)
+        assert len({pid for _, pid in out}) == 2  # both workers still handed out
+
+    asyncio.run(go())
+
+
 def test_a_call_that_raises_keeps_its_worker(pool: ProcPool) -> None:
     async def go() -> None:
         pids = await _warm(pool)
