@@ -199,8 +199,8 @@ class EngineConfig:
     # defaults (RENDER_TIME_LIMIT_S = 10 s, RENDER_MAX_CHARS = 16 Mi), read when each render starts
     chat_template_timeout: float | None = option(
         None, "--chat-template-timeout", min=0, min_exclusive=True,
-        help="seconds of wall time one chat-template render may take; past it the request gets a 400 "
-             "naming the template (default 10)")
+        help="seconds of CPU time (the rendering thread's) one chat-template render may take; past it the "
+             "request gets a 400 naming the template (default 10)")
     chat_template_max_chars: int | None = option(
         None, "--chat-template-max-chars", min=1,
         help="characters one chat-template render may produce, or build in any string, list or dict; "

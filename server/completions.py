@@ -18,6 +18,7 @@ from swaserve.server.logprobs import TokenText, completion_logprobs
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
 from swaserve.server.prompt_logprobs import FormattedPrompt, engine_prompt_logprobs, format_prompt
+from swaserve.server.prompt_tokens import LONG_PROMPT_CHARS, encode_prompt
 from swaserve.server.protocol import CompletionRequest
 from swaserve.server.route_ctx import RouteCtx
 from swaserve.server.state import ServerState
@@ -28,16 +29,19 @@ from swaserve.server.usage import usage_dict
 router = APIRouter()
 
 
-def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
-    """[(token ids, prompt text for echo)]."""
+def _items(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
-    items: list[str | list[int]]
     if isinstance(p, str):
-        items = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        items = [list(p)]  # type: ignore[arg-type]
-    else:
-        items = list(p)  # type: ignore[arg-type]
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any,
+             encoded: dict[int, list[int]]) -> list[tuple[list[int], str]]:
+    """[(token ids, prompt text for echo)]; `encoded`: the ids of the long texts, by item."""
+    items = _items(req)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     out = []
@@ -45,7 +49,9 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
-            ids = tokenizer.encode(item, add_bos=not item.startswith(tokenizer.id_to_piece(tokenizer.bos_id)))
+            ids = encoded.get(i)
+            if ids is None:
+                ids = tokenizer.encode(item, add_bos=_add_bos(tokenizer, item))
             out.append((ids, item))
         else:
             if not item:
@@ -55,6 +61,23 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size "
                                   f"{tokenizer.vocab_size})", "prompt")
             out.append((list(item), tokenizer.decode(item, skip_special_tokens=False)))
+    return out
+
+
+def _add_bos(tokenizer: Any, text: str) -> bool:
+    return not text.startswith(tokenizer.id_to_piece(tokenizer.bos_id))
+
+
+async def _encode_texts(state: ServerState, req: CompletionRequest, tokenizer: Any,
+                        context_length: int) -> dict[int, list[int]]:
+    """The ids of the long prompt texts (longer than LONG_PROMPT_CHARS or the context in characters:
+    bounded in memory, a 400 when they cannot fit, server/prompt_tokens.py), by item; the short ones are
+    encoded with the rest."""
+    items = [req.prompt] if isinstance(req.prompt, str) else await run_cpu(_items, req)  # O(ids): a thread
+    out = {}
+    for i, item in enumerate(items):
+        if isinstance(item, str) and (len(item) >= LONG_PROMPT_CHARS or len(item) > context_length):
+            out[i] = await encode_prompt(state, tokenizer, item, _add_bos(tokenizer, item), context_length)
     return out
 
 
@@ -92,7 +115,8 @@ async def _complete(state: ServerState, req: CompletionRequest, request: Request
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt and, with logprobs, "
                           "its logprobs)", "max_tokens")
-    prompts = await run_cpu(_prompts, req, engine.tokenizer)  # tokenizing: off the event loop
+    encoded = await _encode_texts(state, req, engine.tokenizer, engine.context_length)
+    prompts = await run_cpu(_prompts, req, engine.tokenizer, encoded)  # tokenizing: off the event loop
     grammar, grammar_param = completion_grammar(req)  # vLLM's guided_* / structured_outputs
     rename = {"top_logprobs": "logprobs", "grammar": grammar_param or "grammar"}
     plp = engine_prompt_logprobs(req.logprobs if req.echo else None, req.prompt_logprobs)

@@ -74,6 +74,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
                                                   "as OpenAI)")
     g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--worker-processes", type=bounded_number("--worker-processes", int, min=1, max=64),
+                   default=None, metavar="N",
+                   help="processes that render chat templates, tokenize long prompts and parse large bodies "
+                        "(default: half the usable cores, 2 to 8; with N >= 2 a large body holds at most "
+                        "N - 1)")
     g.add_argument("--max-connections", type=bounded_number("--max-connections", int, min=1), default=None,
                    metavar="N", help="open connections beyond N get a 503 and are closed at once (default: "
                    "below the open-file limit, at most 4096)")
@@ -294,6 +299,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.on_load_error = on_load_error
     from swaserve.server.chat.worker import start_workers
+    from swaserve.server.off_loop import configure_processes
+
+    configure_processes(getattr(args, "worker_processes", None))
 
     state.on_loaded = start_workers  # chat rendering's worker processes, before the first request
     logger.info("swaserve listening on http://%s:%d (model loading in the background; /health is 503 until "

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from swaserve.engine.text.tokenizer import Tokenizer
+from swaserve.server import json_out
 from swaserve.server.body import json_body
 from swaserve.server.chat import prompt as chat_prompt
 from swaserve.server.chat import worker as chat_worker
 from swaserve.server.errors import APIError, bad_request
+from swaserve.server.json_out import json_response
 from swaserve.server.metrics import CONTENT_TYPE
 from swaserve.server.off_loop import run_cpu
+from swaserve.server.prompt_limits import check_chars, message_chars
+from swaserve.server.prompt_tokens import tokenize_json
 from swaserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from swaserve.server.state import ServerState
 
@@ -62,7 +66,6 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
-    starts: list[int] = []
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
@@ -73,19 +76,24 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         if body.continue_final_message:
             add_gen = False
         template = state.chat_template()
+        await run_cpu(_check_message_chars, msgs, engine.context_length, template.tokenizer)
         rendered = await chat_worker.render(template, msgs, plan.tools, add_gen, kwargs,
                                             body.continue_final_message)  # in a worker process
         ids = list(rendered.token_ids)
-        starts = list(rendered.message_starts)
-    else:
-        assert body.prompt is not None
-        tok = engine.tokenizer
-        add_bos = body.add_special_tokens and not body.prompt.startswith(tok.id_to_piece(tok.bos_id))
-        ids = await run_cpu(tok.encode, body.prompt, add_bos=add_bos)
-    out = {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
-    if body.messages is not None:
-        out["message_starts"] = starts
-    return JSONResponse(out)
+        out = {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids,
+               "message_starts": list(rendered.message_starts)}
+        return await json_response(out)
+    assert body.prompt is not None
+    tok = engine.tokenizer
+    add_bos = body.add_special_tokens and not body.prompt.startswith(tok.id_to_piece(tok.bos_id))
+    count, tokens = await tokenize_json(state, tok, body.prompt, add_bos, engine.context_length)
+    # the body JSONResponse would send, with the ids' JSON as it came (no list of them in this process)
+    head = json_out.dumps({"count": count, "max_model_len": engine.context_length})
+    return Response(head[:-1] + b',"tokens":' + tokens + b"}", media_type="application/json")
+
+
+def _check_message_chars(msgs: list[dict[str, Any]], context_length: int, tok: Tokenizer) -> None:
+    check_chars(message_chars(msgs), context_length, tok, "messages")
 
 
 @router.post("/detokenize")

@@ -3,37 +3,53 @@
 * run_cpu: a bounded pool of worker threads for short work (parsing and validating ordinary bodies,
   server/body.py; the unknown-field walk; tokenizing completions prompts). They share the GIL with the
   HTTP loop, which the interpreter hands it every millisecond (sys.getswitchinterval).
-* run_proc: a small pool of worker processes for work that is long or that a client controls: chat
-  template rendering and tokenization (a template may loop until its render budget), and everything
-  about a large chat body (server/chat/worker.py). A busy thread in the server's process, even one that
-  yields the GIL every millisecond, makes the loop wait for the GIL after each of its system calls; on a
-  loaded machine those waits added up to 100-200 ms per /health answer. A worker process takes none of
-  the server's GIL. Workers are spawned (no fork of a threaded process), ignore Ctrl-C (the server stops
-  them) and are replaced when one dies."""
+* run_proc: a pool of worker processes (server/proc_pool.py) for work that is long or that a client
+  controls: chat template rendering and tokenization (a template may loop until its render budget),
+  everything about a large chat body (server/chat/worker.py), tokenizing long prompts
+  (server/prompt_tokens.py). A busy thread in the server's process, even one that yields the GIL every
+  millisecond, makes the loop wait for the GIL after each of its system calls; on a loaded machine those
+  waits added up to 100-200 ms per /health answer. A worker process takes none of the server's GIL.
+  Workers are spawned (no fork of a threaded process), run at nice +5, ignore Ctrl-C (the server stops
+  them), and one that dies is replaced, failing only the call it was running. Their number:
+  `--worker-processes`, by default half the usable cores, 2 to 8 (default_process_workers)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from swaserve.server.proc_pool import ProcPool
 
 T = TypeVar("T")
 
 WORKERS = max(2, min(8, os.cpu_count() or 2))
-PROCESS_WORKERS = 2  # concurrent renders; more requests queue here
 SWITCH_INTERVAL_S = 0.001
 _pool: ThreadPoolExecutor | None = None
-_procs: ProcessPoolExecutor | None = None
+_procs: ProcPool | None = None
 _procs_lock = threading.Lock()
+_procs_size: int | None = None  # --worker-processes; None: default_process_workers()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_process_workers() -> int:
+    """Half the usable cores, at least 2 (a heavy body then never holds them all) and at most 8 (each
+    keeps its own copy of the tokenizer and the templates)."""
+    return max(2, min(8, usable_cores() // 2))
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -72,44 +88,52 @@ def _init_process() -> None:
         pass
 
 
-def _process_pool() -> ProcessPoolExecutor:
+def process_workers() -> int:
+    """The worker processes' number: --worker-processes, else default_process_workers()."""
+    return _procs_size if _procs_size is not None else default_process_workers()
+
+
+def configure_processes(size: int | None) -> None:
+    """Set the worker processes' number (None: the default); a running pool is stopped first."""
+    global _procs_size
+    if size is not None and size < 1:
+        raise ValueError(f"--worker-processes must be at least 1, got {size}")
+    stop_processes()
+    _procs_size = size
+
+
+def _process_pool() -> ProcPool:
     global _procs
     with _procs_lock:
         if _procs is None:
-            _procs = ProcessPoolExecutor(PROCESS_WORKERS, mp_context=mp.get_context("spawn"),
-                                         initializer=_init_process)
+            _procs = ProcPool(process_workers(), _init_process)
         return _procs
 
 
-async def run_proc(fn: Callable[..., T], *args: Any) -> T:
+def process_pool() -> ProcPool:
+    """The running pool (started if needed): its size, its workers' ids (tests, diagnostics)."""
+    return _process_pool()
+
+
+async def run_proc(fn: Callable[..., T], *args: Any, heavy: bool = False) -> T:
     """fn(*args) in a worker process (fn a module-level function; arguments and result pickled); its
-    exception is raised here. A worker that dies fails its call with a RuntimeError (a 500) and the pool
-    is replaced."""
-    global _procs
-    pool = _process_pool()
-    try:
-        return await asyncio.wrap_future(pool.submit(fn, *args))
-    except BrokenProcessPool:
-        with _procs_lock:
-            if _procs is pool:
-                _procs = None
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise RuntimeError("a request worker process died") from None
+    exception is raised here. `heavy` (a large body): such calls hold at most all workers but one. A
+    worker that dies fails the call it was running (a 500 `worker_died`) and only that one."""
+    return await _process_pool().run(fn, args, heavy)
 
 
 def _ready() -> bool:
     return True
 
 
-def submit_proc(fn: Callable[..., Any], *args: Any) -> None:
-    """fn(*args) in a worker process, not waited for (warming up)."""
-    _process_pool().submit(fn, *args)
+def submit_each(fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args) in every worker process, not waited for (warming up)."""
+    _process_pool().submit_each(fn, *args)
 
 
 def start_processes() -> None:
     """Start the worker processes now (at server start) rather than on the first chat request."""
-    for _ in range(PROCESS_WORKERS):
-        submit_proc(_ready)
+    submit_each(_ready)
 
 
 def stop_processes() -> None:
@@ -117,9 +141,5 @@ def stop_processes() -> None:
     global _procs
     with _procs_lock:
         pool, _procs = _procs, None
-    if pool is None:
-        return
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for p in procs:
-        p.terminate()
+    if pool is not None:
+        pool.stop()

@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from swaserve.engine.core import RequestError, RequestOutput
 from swaserve.server.errors import APIError, sse_error
+from swaserve.server.json_out import json_response
 from swaserve.server.logprobs import TokenText
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.streaming import SSE_DONE, OutputStream, SSEResponse, sse
@@ -51,6 +52,17 @@ class RouteCtx(ABC):
 
     @abstractmethod
     def final_body(self) -> dict[str, Any]: ...
+
+    def release(self) -> None:
+        """Empty the choices' logprob lists one entry at a time (after the body is serialised, on its
+        worker thread): their thousands of objects are then freed there in small steps, not on the loop
+        when the request ends. Only these per-request lists are touched (their entries hold memoised
+        token bytes, which stay)."""
+        for c in getattr(self, "choices", {}).values():
+            lps = getattr(c, "logprobs", None)
+            for items in lps.values() if isinstance(lps, dict) else [lps] if isinstance(lps, list) else []:
+                while items:
+                    items.pop()
 
     def include_usage(self) -> bool:
         return self.req.stream_options is not None and bool(self.req.stream_options.include_usage)
@@ -100,7 +112,7 @@ class RouteCtx(ABC):
                     self.collect(item)
             finally:
                 stream.close()
-            return JSONResponse(self.final_body())
+            return await json_response(self.final_body(), release=self.release)  # a large one off the loop
         try:
             first = await self.next_output(stream, request, poll)
         except BaseException:

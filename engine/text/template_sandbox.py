@@ -3,10 +3,11 @@
 A GGUF's `tokenizer.chat_template` is untrusted: `ImmutableSandboxedEnvironment` (no Python internals, no
 files, no mutation) plus limits on what one render may take (RenderLimits: `--chat-template-timeout`,
 `--chat-template-max-chars`; unset, the module defaults RENDER_TIME_LIMIT_S and RENDER_MAX_CHARS, read
-when a render starts): wall time, and size (characters of output, and of any string, list or dict built
-on the way, checked on every call, attribute or item access and on `*`, `**`, `+` before they build a
-value). A render past either limit raises RenderLimit (a ValueError: the server answers 400 naming the
-template).
+when a render starts): CPU time of the rendering thread (`time.thread_time`: a render at nice +5 on a
+loaded machine is not cut for the time other processes took), and size (characters of output, and of
+any string, list or dict built on the way, checked on every call, attribute or item access and on `*`,
+`**`, `+` before they build a value). A render past either limit raises RenderLimit (a ValueError: the
+server answers 400 naming the template).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class RenderLimit(ValueError):
 
 @dataclass(frozen=True)
 class RenderLimits:
-    """What one render may take: `time_s` seconds of wall time and `max_chars` characters (of output, or
-    items of any value built). None = the module default (RENDER_TIME_LIMIT_S / RENDER_MAX_CHARS), read
-    when each render starts."""
+    """What one render may take: `time_s` seconds of the rendering thread's CPU time and `max_chars`
+    characters (of output, or items of any value built). None = the module default (RENDER_TIME_LIMIT_S
+    / RENDER_MAX_CHARS), read when each render starts."""
 
     time_s: float | None = None
     max_chars: int | None = None
@@ -99,8 +100,9 @@ def check_time() -> None:
     if b.deadline is None:
         return
     b.ticks += 1
-    if b.ticks & 63 == 0 and time.monotonic() > b.deadline:
-        raise RenderLimit(f"rendering took longer than the limit of {b.time_s:g} s (--chat-template-timeout)")
+    if b.ticks & 63 == 0 and time.thread_time() > b.deadline:
+        raise RenderLimit(f"rendering took longer than the limit of {b.time_s:g} s of CPU time "
+                          "(--chat-template-timeout)")
 
 
 def _check_size(value: Any) -> Any:
@@ -159,15 +161,15 @@ def make_environment(undefined: type[jinja2.Undefined] = jinja2.Undefined) -> Im
 
 @contextmanager
 def render_budget(limits: RenderLimits | None = None) -> Iterator[None]:
-    """One render's deadline and size limit (nested scopes share the outermost one: a render and its
-    message-start probes count as one)."""
+    """One render's deadline (in the thread's CPU time) and size limit (nested scopes share the outermost
+    one: a render and its message-start probes count as one)."""
     b = budget
     if b.deadline is not None:
         yield
         return
     saved = b.time_s, b.max_chars
     b.time_s, b.max_chars = (limits or RenderLimits()).resolved()
-    b.deadline = time.monotonic() + b.time_s
+    b.deadline = time.thread_time() + b.time_s
     try:
         yield
     finally:

@@ -33,7 +33,8 @@ from swaserve.server.chat.structured import grammar_for, json_format
 from swaserve.server.errors import APIError
 from swaserve.server.guided import check_tool_choice, guided
 from swaserve.server.leniency import scan_fields
-from swaserve.server.off_loop import PROCESS_WORKERS, run_cpu, run_proc, start_processes, submit_proc
+from swaserve.server.off_loop import run_cpu, run_proc, start_processes, submit_each
+from swaserve.server.prompt_limits import check_chars, check_tokens, message_chars
 from swaserve.server.protocol import ChatCompletionRequest
 from swaserve.server.sliced_validation import SLICED_BODY_BYTES, SlicedValidationError
 
@@ -58,15 +59,20 @@ class ChatPlan:
     warning: str | None = None  # schema keywords the grammar does not enforce (the route logs it)
 
 
-def plan_with(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
-    """Messages, tools, template kwargs and structured output -> prompt and grammar (CPU work)."""
+def plan_with(template: ChatTemplate, req: ChatCompletionRequest,
+              context_length: int | None = None) -> ChatPlan:
+    """Messages, tools, template kwargs and structured output -> prompt and grammar (CPU work). A prompt
+    longer than `context_length` is a 400: before rendering when its content alone is too long in
+    characters (server/prompt_limits.py), else once tokenized."""
     plan = chat_prompt.tool_plan(req.tools, req.tool_choice, req.functions, req.function_call)
     messages = chat_prompt.message_dicts(req.messages)
+    check_chars(message_chars(messages), context_length, template.tokenizer, "messages")
     kwargs, add_gen = chat_prompt.template_kwargs(req.chat_template_kwargs, req.add_generation_prompt,
                                                   req.reasoning_effort)
     if req.continue_final_message and req.add_generation_prompt is None:
         add_gen = False
     prompt = chat_prompt.render(template, messages, plan.tools, add_gen, kwargs, req.continue_final_message)
+    check_tokens(len(prompt.token_ids), context_length, "messages")
     rf = req.response_format
     fmt = json_format(rf.type if rf else None, rf.json_schema.schema_ if rf and rf.json_schema else None,
                       rf.json_schema.strict if rf and rf.json_schema else None, "response_format")
@@ -108,9 +114,10 @@ def _worker_template(key: int, setup: bytes | None, limits: tuple[float, int]) -
     return t
 
 
-def _plan_entry(key: int, setup: bytes | None, limits: tuple[float, int], req: ChatCompletionRequest) -> Any:
+def _plan_entry(key: int, setup: bytes | None, limits: tuple[float, int],
+                arg: tuple[ChatCompletionRequest, int | None]) -> Any:
     template = _worker_template(key, setup, limits)
-    return NEED_SETUP if template is None else plan_with(template, req)
+    return NEED_SETUP if template is None else plan_with(template, *arg)
 
 
 def _render_entry(key: int, setup: bytes | None, limits: tuple[float, int], args: tuple) -> Any:
@@ -118,8 +125,10 @@ def _render_entry(key: int, setup: bytes | None, limits: tuple[float, int], args
     return NEED_SETUP if template is None else chat_prompt.render(template, *args)
 
 
-def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, int], raw: bytes) -> Any:
+def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, int],
+                   arg: tuple[bytes, int | None]) -> Any:
     """A large body: ("invalid", errors) | ("ok", request with messages[-1:], fields, plan, plan error)."""
+    raw, context_length = arg
     template = None
     if key is not None:
         template = _worker_template(key, setup, limits)
@@ -133,7 +142,7 @@ def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, in
     plan = error = None
     if template is not None:
         try:
-            plan = plan_with(template, req)
+            plan = plan_with(template, req, context_length)
         except APIError as e:
             error = e
         except Exception:  # noqa: BLE001  (raised where the route plans: a 500 there, as before)
@@ -172,28 +181,30 @@ def start_workers(template: ChatTemplate | None) -> None:
     start_processes()
     setup = setup_of(template) if template is not None else None
     if setup is not None:
-        for _ in range(PROCESS_WORKERS):  # most likely one each: each is busy a while unpickling
-            submit_proc(_worker_template, setup[0], setup[1], template.limits.resolved())
+        submit_each(_worker_template, setup[0], setup[1], template.limits.resolved())
 
 
-async def _call(entry: Any, template: ChatTemplate | None, arg: Any) -> Any:
+async def _call(entry: Any, template: ChatTemplate | None, arg: Any, heavy: bool | None = None) -> Any:
     # the server's limits, resolved here (a flag, else the module default as the server sees it)
     limit = (template.limits if template is not None else RenderLimits()).resolved()
     setup = await _setup(template) if template is not None else None
     key = setup[0] if setup else None
-    out = await run_proc(entry, key, None, limit, arg)
+    if heavy is None:
+        heavy = entry is _prepare_entry  # a large body: never in every worker at once
+    out = await run_proc(entry, key, None, limit, arg, heavy=heavy)
     if out == NEED_SETUP:
         assert setup is not None
-        out = await run_proc(entry, key, setup[1], limit, arg)
+        out = await run_proc(entry, key, setup[1], limit, arg, heavy=heavy)
     return out
 
 
 async def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     """plan_with the server's template, in a worker process."""
     template = state.chat_template()
+    context_length = state.ready_engine().context_length
     if await _setup(template) is None:
-        return await run_cpu(plan_with, template, req)
-    return await _call(_plan_entry, template, req)
+        return await run_cpu(plan_with, template, req, context_length)
+    return await _call(_plan_entry, template, (req, context_length))
 
 
 async def render(template: ChatTemplate, *args: Any) -> ChatPrompt:
@@ -238,7 +249,8 @@ async def chat_body(request: Request) -> ChatBody:
         template = None
     if template is not None and await _setup(template) is None:
         return ChatBody(await validate_off_loop(ChatCompletionRequest, raw))
-    out = await _call(_prepare_entry, template, raw)
+    context_length = state.engine.context_length if state.engine is not None else None
+    out = await _call(_prepare_entry, template, (raw, context_length))
     if out[0] == "invalid":
         raise invalid_body(out[1], raw)
     _, req, fields, plan, error = out

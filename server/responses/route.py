@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from swaserve.engine.core import RequestError
 from swaserve.server.body import json_body
@@ -26,6 +26,7 @@ from swaserve.server.chat.choice import ChatChoice
 from swaserve.server.chat.reasoning import ChatOutputParser, ParsedDelta
 from swaserve.server.chat.worker import ChatPlan, plan_chat
 from swaserve.server.errors import APIError, bad_request, from_exception
+from swaserve.server.json_out import json_response
 from swaserve.server.leniency import check_fields
 from swaserve.server.off_loop import run_cpu
 from swaserve.server.params import build_params
@@ -111,7 +112,7 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
         body = ctx.response(ctx.status())
         if ctx.keep is not None:
             await run_cpu(ctx.keep.put, body)
-        return JSONResponse(body)
+        return await json_response(body)  # a large body: off the loop
     try:
         first = await ctx.next(stream, request, poll)
     except BaseException:
