@@ -23,6 +23,7 @@ from swaserve.server.http.admin_guard import ADMIN_PATHS, AdminGuard
 from swaserve.server.http.auth import check_api_key
 from swaserve.server.http.limits import BodyLimit
 from swaserve.server.http.openapi_doc import install_openapi
+from swaserve.server.http.shutdown import InFlight, TrackInFlight
 from swaserve.server.misc_routes import router as misc_router
 from swaserve.server.responses.route import router as responses_router
 from swaserve.server.state import ServerConfig, ServerState
@@ -81,6 +82,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.include_router(completions_router)
     app.include_router(misc_router)
     app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
+    app.state.swa_requests = InFlight()  # the requests past the gate: a drain waits for them
+    app.add_middleware(TrackInFlight, requests=app.state.swa_requests)
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
