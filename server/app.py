@@ -91,7 +91,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
-    else:  # no key: admin POSTs only from this host's names / allowed origins (server/http/admin_guard.py)
+    else:  # no key: every route but /health and /metrics checks Host (and Origin for POSTs), so a page in
+        # a browser (DNS rebinding, cross-site POST) cannot read or run anything (server/http/admin_guard.py)
         app.add_middleware(AdminGuard, allowed_hosts=cfg.allowed_hosts, allowed_origins=cfg.allowed_origins)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key
         from starlette.middleware.cors import CORSMiddleware
