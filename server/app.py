@@ -19,8 +19,8 @@ from swaserve.server.completions import router as completions_router
 from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.fleet.replica_api import DrainGate
 from swaserve.server.fleet.replica_api import router as worker_router
-from swaserve.server.http.admin_guard import ADMIN_PATHS, AdminGuard
-from swaserve.server.http.auth import check_api_key
+from swaserve.server.http.admin_guard import AdminGuard
+from swaserve.server.http.auth import OPEN_PATHS, check_api_key
 from swaserve.server.http.limits import BodyLimit
 from swaserve.server.http.openapi_doc import install_openapi
 from swaserve.server.http.shutdown import InFlight, TrackInFlight
@@ -87,7 +87,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine],
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
-    install_openapi(app, ADMIN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
+    install_openapi(app, OPEN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)

@@ -26,7 +26,6 @@ from urllib.parse import urlsplit
 from swaserve.server.errors import APIError, send_error
 from swaserve.server.http.auth import OPEN_PATHS
 
-ADMIN_PATHS = ("/flush_cache", "/reset_prefix_cache")
 _SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 
 
