@@ -17,6 +17,7 @@ FinishReason = Literal["stop", "length", "abort"]
 MAX_INT = (1 << 31) - 1  # token counts
 MAX_STOP_STRINGS = 1024  # stop strings, and stop token ids, per request
 MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_CHARS = 4096  # characters summed over a request's stop strings (the stop automaton's size)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300 tokens)
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token, of the output (logprobs) and of the prompt (prompt_logprobs)
@@ -147,6 +148,10 @@ class SamplingParams:
             raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
         if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             raise RequestError(f"each stop string must be at most {MAX_STOP_LENGTH} characters", "stop")
+        total = sum(len(s) for s in self.stop)
+        if total > MAX_STOP_CHARS:
+            raise RequestError(f"stop strings must total at most {MAX_STOP_CHARS} characters, got {total}",
+                               "stop")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
             raise RequestError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} ids", "stop_token_ids")
         for tid in self.stop_token_ids:

@@ -21,10 +21,11 @@ from swaserve.server.embeddings import router as embeddings_router
 from swaserve.server.errors import APIError, install_error_handlers
 from swaserve.server.fleet.replica_api import DrainGate
 from swaserve.server.fleet.replica_api import router as worker_router
-from swaserve.server.http.admin_guard import ADMIN_PATHS, AdminGuard
-from swaserve.server.http.auth import check_api_key
+from swaserve.server.http.admin_guard import AdminGuard
+from swaserve.server.http.auth import OPEN_PATHS, check_api_key
 from swaserve.server.http.limits import BodyLimit
 from swaserve.server.http.openapi_doc import install_openapi
+from swaserve.server.http.shutdown import InFlight, TrackInFlight
 from swaserve.server.misc_routes import router as misc_router
 from swaserve.server.responses.retrieve import router as stored_responses_router
 from swaserve.server.responses.route import router as responses_router
@@ -89,15 +90,18 @@ def build_app(engine: EngineClient | Callable[[], EngineClient],
     app.include_router(misc_router)
     app.include_router(tokenizer_info_router)  # GET /tokenizer_info (vLLM's; lm-evaluation-harness)
     app.include_router(worker_router)  # /v1/loads for a router (docs/scale-out.md)
+    app.state.swa_requests = InFlight()  # the requests past the gate: a drain waits for them
+    app.add_middleware(TrackInFlight, requests=app.state.swa_requests)
     app.add_middleware(DrainGate, state=state)  # 503s once state.start_draining() is called
     app.include_router(responses_router)
     app.include_router(stored_responses_router)  # GET / DELETE /v1/responses/{id}
     app.include_router(ui_router)  # GET /v1/cache/state; GET / and /ui/* with --ui
-    install_openapi(app, ADMIN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
+    install_openapi(app, OPEN_PATHS)  # the statuses really sent (no 422), the error envelope's schema
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)  # every route; inside the key check
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, api_key=(cfg.api_key, *cfg.more_api_keys))
-    else:  # no key: admin POSTs only from this host's names / allowed origins (server/http/admin_guard.py)
+    else:  # no key: every route but /health and /metrics checks Host (and Origin for POSTs), so a page in
+        # a browser (DNS rebinding, cross-site POST) cannot read or run anything (server/http/admin_guard.py)
         app.add_middleware(AdminGuard, allowed_hosts=cfg.allowed_hosts, allowed_origins=cfg.allowed_origins)
     if cfg.allowed_origins:  # outermost: preflight requests carry no API key
         from starlette.middleware.cors import CORSMiddleware

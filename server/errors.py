@@ -54,6 +54,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+async def send_error(send: Any, err: APIError, close: bool = False,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """`err` as a whole response on a raw ASGI `send` (for pure ASGI middleware)."""
+    body = json.dumps(err.body()).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if close:
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 

@@ -288,11 +288,13 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(load, server_cfg)
     state = app.state.swa
     policy = ConnectionPolicy(args.max_connections or default_max_connections(), args.request_read_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5, http=policy.protocol())
-    from swaserve.server.http.shutdown import GracefulServer
+    from swaserve.server.http.shutdown import FLUSH_S, GracefulServer
 
-    server = GracefulServer(config, state, args.shutdown_timeout)  # SIGTERM drains (server/http/shutdown.py)
+    # uvicorn's own graceful stop only starts after the drain (its timeout covers the final writes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=int(FLUSH_S), http=policy.protocol())
+    # SIGTERM / SIGINT drain (server/http/shutdown.py)
+    server = GracefulServer(config, state, args.shutdown_timeout, app.state.swa_requests)
 
     def on_load_error(e: BaseException) -> None:
         server.should_exit = True

@@ -42,6 +42,7 @@ class StopMatcher:
                 node = nxt
             self.match[node] = s
         self.fail = [0] * len(self.goto)
+        self.hops = 0  # failure links followed by step() (tests count the work)
         self.delta: list[dict[str, int]] = [dict(g) for g in self.goto]  # memoised full transitions
         order = list(self.goto[0].values())  # breadth first: a node's fail link is shallower
         for node in order:
@@ -54,12 +55,27 @@ class StopMatcher:
                     self.match[child] = self.match[self.fail[child]]
 
     def step(self, state: int, ch: str) -> int:
-        """The state after reading `ch` in `state`."""
+        """The state after reading `ch` in `state`: a loop down the failure links (no recursion: a stop
+        string of 1,000 repeated characters makes a chain 1,000 links deep), memoised for every state
+        walked through (they all lead to the same state on `ch`)."""
         nxt = self.delta[state].get(ch)
-        if nxt is None:
-            nxt = 0 if state == 0 else self.step(self.fail[state], ch)
-            if len(self.delta[state]) < 256:  # bound the memo per state (arbitrary text, many characters)
-                self.delta[state][ch] = nxt
+        if nxt is not None:
+            return nxt
+        walked = [state]
+        s = state
+        while True:
+            if s == 0:
+                nxt = 0
+                break
+            s = self.fail[s]
+            self.hops += 1
+            nxt = self.delta[s].get(ch)
+            if nxt is not None:
+                break
+            walked.append(s)
+        for w in walked:
+            if len(self.delta[w]) < 256:  # bound the memo per state (arbitrary text, many characters)
+                self.delta[w][ch] = nxt
         return nxt
 
 

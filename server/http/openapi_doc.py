@@ -2,9 +2,9 @@
 
 FastAPI documents a 422 validation error on every route; swaserve answers bad input with 400 (and every
 error with the OpenAI envelope, server/errors.py), refuses large bodies with 413 before parsing, a
-missing key with 401, unknown models with 404, a full queue / loading / draining with 503, and
-unexpected failures with 500 carrying an error id. Each operation lists those, with the envelope's
-schema, instead of 422.
+missing key with 401, a foreign Host / Origin without a key with 403, unknown models with 404, a full
+queue / loading / draining with 503, and unexpected failures with 500 carrying an error id. Each
+operation lists those, with the envelope's schema, instead of 422.
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ ERROR_SCHEMA: dict[str, Any] = {
 _STATUS = {  # status -> (description, methods it applies to; None = all)
     "400": ("invalid request: the envelope's param names the field", {"post"}),
     "401": ("missing or wrong API key (only with --api-key / --api-key-file / SWASERVE_API_KEY)", None),
-    "403": ("admin route refused: Host or Origin not allowed (only without an API key)", {"post"}),
+    "403": ("Host (or, for a POST, Origin) not allowed: a browser page of another site (only without an "
+            "API key)", None),
     "404": ("unknown model (or route)", None),
     "413": ("request body over --max-request-bytes (refused before parsing)", {"post"}),
     "500": ("internal error; the message carries an error id the server log repeats", None),
     "503": ("model loading, server draining, or the queue full (--max-queued-requests)", None),
 }
-ADMIN_ONLY = {"403"}
+NOT_ON_OPEN = {"403"}  # /health and /metrics answer whatever the Host (server/http/admin_guard.py)
 
 
-def install_openapi(app: FastAPI, admin_paths: tuple[str, ...]) -> None:
+def install_openapi(app: FastAPI, open_paths: tuple[str, ...]) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -56,7 +57,7 @@ def install_openapi(app: FastAPI, admin_paths: tuple[str, ...]) -> None:
                 for status, (desc, methods) in _STATUS.items():
                     if methods is not None and method not in methods:
                         continue
-                    if status in ADMIN_ONLY and path not in admin_paths:
+                    if status in NOT_ON_OPEN and path in open_paths:
                         continue
                     responses[status] = {"description": desc, **ref}
         app.openapi_schema = doc

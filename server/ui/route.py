@@ -1,7 +1,10 @@
 """The cache inspector: GET /v1/cache/state (JSON, read-only, bounded) and, with --ui, the page at GET /
 (server/ui/: one HTML file and one script, no build step, nothing from a CDN).
 
-Both sit behind the same `--api-key` middleware as every other route (server/app.py). The state is
+Both sit behind the same `--api-key` middleware as every other route (server/app.py), and without a key
+behind its Host / Origin checks (server/http/admin_guard.py). The page's files are sent with headers
+that forbid framing (clickjacking: a page that frames the inspector cannot overlay its buttons) and a
+CSP that lets them load only this server's own script and talk only to this server. The state is
 computed in the engine (Engine.cache_state_walk, engine/kvcache/snapshot.py); this module only decodes
 the node previews to text, which needs the tokenizer the server already has.
 """
@@ -24,6 +27,11 @@ UI_DIR = Path(__file__).parent
 UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
 MAX_TOP = 512  # nodes per answer: the response stays bounded whatever the tree holds
 PREVIEW_CHARS = 80
+# the page: its own script, its inline <style> and style attributes, canvas drawing; fetch to this server
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_HEADERS = {"cache-control": "no-cache", "x-frame-options": "DENY", "content-security-policy": CSP,
+                "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
 def _state(request: Request) -> ServerState:
@@ -56,7 +64,7 @@ def _ui_file(request: Request, name: str) -> Response:
     if not _state(request).cfg.ui:
         raise APIError(404, "the inspector page is off (start the server with --ui)", None, "ui_disabled")
     data = (UI_DIR / name).read_bytes()
-    return Response(data, media_type=UI_FILES[name], headers={"cache-control": "no-cache"})
+    return Response(data, media_type=UI_FILES[name], headers=PAGE_HEADERS)
 
 
 @router.get("/", include_in_schema=False)

@@ -103,8 +103,10 @@ def test_openapi_lists_the_statuses_really_sent(live: Any) -> None:
             assert {"400", "413"} <= codes, (path, method)
         schema = op["responses"]["500"]["content"]["application/json"]["schema"]
         assert schema["$ref"].endswith("ErrorResponse")
-    assert "403" in ops[("/flush_cache", "post")]["responses"]
-    assert "403" not in ops[("/v1/chat/completions", "post")]["responses"]
+    assert "403" in ops[("/flush_cache", "post")]["responses"]  # Host / Origin without a key
+    assert "403" in ops[("/v1/chat/completions", "post")]["responses"]
+    assert "403" in ops[("/v1/cache/state", "get")]["responses"]
+    assert "403" not in ops[("/health", "get")]["responses"]
     # and the server does send them: 400 (not 422) for a wrong type, 404 for an unknown model
     with s.http() as h:
         assert_envelope(h.post("/v1/chat/completions", json={"messages": "x"}), 400)

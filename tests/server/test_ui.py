@@ -142,6 +142,11 @@ def test_page_routes_and_flags(ui_server, ui_engine):
         assert '<script src="/ui/app.js">' in page.text and "https://" not in page.text  # no CDN
         js = h.get("/ui/app.js")
         assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "http" not in js.text
+        for r in (page, js):  # no framing (clickjacking), only this server's script and connections
+            assert r.headers["x-frame-options"] == "DENY"
+            csp = r.headers["content-security-policy"]
+            assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp
+            assert "connect-src 'self'" in csp
         assert h.get("/ui/secret.txt").status_code == 404
     off = LiveServer(build_app(ui_engine, server_config_from_args(serve_args("--no-ui"))))
     keyed = LiveServer(build_app(ui_engine, server_config_from_args(serve_args("--ui", "--api-key", "k3y"))))
@@ -175,23 +180,33 @@ def _chromium() -> str | None:
     return None
 
 
-def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
+BROWSER_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage"]
+
+
+def _playwright() -> tuple[str, Any]:
     browser_path = _chromium()
     if browser_path is None:
         pytest.skip("no Chromium on this machine (Debian: apt-get install -y chromium)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    return browser_path, sync_api
+
+
+def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
+    browser_path, sync_api = _playwright()
     with ui_server.http() as h:
         assert h.post("/flush_cache").status_code == 200
     shot = tmp_path / "inspector.png"
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True, args=BROWSER_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            refused: list[str] = []
+            page.on("console", lambda m: "Content Security Policy" in m.text and refused.append(m.text))
             page.goto(ui_server.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.length > 0")
+            page.wait_for_function("() => document.getElementById('model').textContent.length > 0")
             assert page.text_content("#model") == SERVED
             page.fill("#system", SYSTEM)
             page.fill("#maxtok", "4")
@@ -200,7 +215,7 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
                 page.click("#newchat")
                 page.fill("#input", user)
                 page.click("#send")
-                page.wait_for_function("document.querySelector('#log .assistant .meta') && "
+                page.wait_for_function("() => document.querySelector('#log .assistant .meta') && "
                                        "document.querySelector('#log .assistant .meta').dataset.prompt",
                                        timeout=120_000)
                 metas.append(page.eval_on_selector(
@@ -216,7 +231,7 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
             assert int(metas[0][1]) == 0
             # the Cache tab: the shared system-prompt node, the recent requests, the chart
             page.click("#tab-cache")
-            page.wait_for_function("document.body.dataset.cacheLoaded === '1'", timeout=60_000)
+            page.wait_for_function("() => document.body.dataset.cacheLoaded === '1'", timeout=60_000)
             root = st["nodes"][0]
             assert root["start_token"] == 0 and root["subtree_nodes"] >= 3
             first_row = page.locator("#tree ul.tree > li > .node").first
@@ -228,9 +243,10 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
             page.screenshot(path=str(shot), full_page=True)
             # flush from the page: the tree empties
             page.click("#flush")
-            page.wait_for_function("document.getElementById('tree').textContent.includes('cache is empty')",
-                                   timeout=30_000)
+            page.wait_for_function("() => document.getElementById('tree').textContent"
+                                   ".includes('cache is empty')", timeout=30_000)
             assert not errors, errors
+            assert not refused, refused  # the page works under its Content-Security-Policy
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
@@ -239,3 +255,60 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
         os.makedirs(keep, exist_ok=True)
         for name in ("inspector.png", "inspector-chat.png"):
             shutil.copy(tmp_path / name, os.path.join(keep, f"{int(time.time())}-{name}"))
+
+
+# Chromium's own Private / Local Network Access checks also stop this page (a non-secure page reaching a
+# loopback address); they are off here: other browsers, older Chromium and a page served from the LAN
+# have none, and the server must not depend on them
+NO_PRIVATE_NETWORK_CHECKS = ("LocalNetworkAccessChecks,PrivateNetworkAccessRespectPreflightResults,"
+                             "BlockInsecurePrivateNetworkRequests")
+ATTACKER = """<!doctype html><title>evil</title>
+<iframe id="ui" src="{victim}/"></iframe><iframe id="health" src="{victim}/health"></iframe>
+<script>
+window.framesLoaded = 0;
+for (const f of document.querySelectorAll("iframe")) f.onload = () => window.framesLoaded++;
+</script>"""
+
+
+def test_rebinding_page_cannot_read_or_frame(ui_server):
+    """A DNS-rebinding page: evil.test resolves to 127.0.0.1 (Chromium's --host-resolver-rules), so to the
+    browser this server is the page's own origin and it could read every answer; the server refuses its
+    Host (403, no cache state, no prompt text). The same page cannot frame the inspector either (the
+    server's /health, sent without those headers, frames: the browser frames pages in this setup)."""
+    browser_path, sync_api = _playwright()
+    with ui_server.http() as h:  # a cached prompt: the state's node previews show its text
+        r = h.post("/v1/completions", json={"prompt": "marmalade is the secret " * 8, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    port = ui_server.port
+    evil = f"http://evil.test:{port}"
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                     args=[*BROWSER_FLAGS, "--host-resolver-rules=MAP evil.test 127.0.0.1",
+                                           f"--disable-features={NO_PRIVATE_NETWORK_CHECKS}"])
+        try:
+            page = browser.new_page()
+            read = """async () => { const r = await fetch('/v1/cache/state');
+                                   return [r.status, await r.text()]; }"""
+            page.goto(ui_server.url + "/")  # the inspector at its own address reads the state
+            status, body = page.evaluate(read)
+            assert status == 200 and "marmalade" in body
+            # the attacker's page itself comes from the attacker (before the rebinding); everything it
+            # fetches afterwards reaches this server under the name evil.test
+            page.route(evil + "/", lambda route: route.fulfill(
+                status=200, content_type="text/html", body=ATTACKER.format(victim=ui_server.url)))
+            page.goto(evil + "/")
+            status, body = page.evaluate(read)
+            assert status == 403 and "host_not_allowed" in body and "marmalade" not in body, body
+            status, body = page.evaluate("""async () => { const r = await fetch('/tokenize', {method: 'POST',
+                body: JSON.stringify({prompt: 'x'})}); return [r.status, await r.text()]; }""")
+            assert status == 403, body
+            assert page.evaluate("async () => (await fetch('/health')).status") == 200  # stays open
+            page.wait_for_function("() => window.framesLoaded === 2", timeout=30_000)
+            frames = {f.name or f.url: f for f in page.frames}
+            health = next(f for f in page.frames if f.url.endswith("/health"))
+            assert '"status"' in health.content() or "ok" in health.content().lower(), frames
+            ui = [f for f in page.frames if f.url.rstrip("/") == ui_server.url]
+            assert not ui or ui[0].evaluate("document.getElementById('model')") is None, frames
+            assert any(f.url.startswith("chrome-error://") for f in page.frames), list(frames)
+        finally:
+            browser.close()
