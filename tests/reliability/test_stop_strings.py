@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from swaserve.engine.args import engine_config_from_args
-from swaserve.engine.client.process import EngineClient
+from swaserve.engine.client.process import EngineProcessClient
 from swaserve.engine.core import MAX_STOP_CHARS
 from swaserve.server.app import build_app
 from swaserve.server.launch import build_engine_core, server_config_from_args
@@ -23,9 +23,9 @@ DEEP = "a" * 1000 + "Z"
 
 
 @pytest.fixture(scope="module")
-def proc_server() -> Iterator[tuple[LiveServer, EngineClient]]:
+def proc_server() -> Iterator[tuple[LiveServer, EngineProcessClient]]:
     args = serve_args("--max-stop-sequences", "8")
-    eng = EngineClient(build_engine_core, engine_config_from_args(args), start_timeout=600)
+    eng = EngineProcessClient(build_engine_core, engine_config_from_args(args), start_timeout=600)
     s = LiveServer(build_app(eng, server_config_from_args(args)))
     yield s, eng
     s.stop()
