@@ -35,6 +35,7 @@ from swaserve.server.chat.prompt import ToolPlan
 from swaserve.server.chat.schema_keywords import unsupported_in_tool
 from swaserve.server.chat.schema_limits import check_schemas
 from swaserve.server.chat.schema_walk import LIST, MAP, children
+from swaserve.server.chat.string_formats import FORMATS
 from swaserve.server.chat.tool_grammar import json_reply_lark, tool_calls_lark
 from swaserve.server.errors import bad_request
 
@@ -71,11 +72,16 @@ def json_format(kind: str | None, schema: Any, strict: bool | None, param: str) 
     raise bad_request(f"unsupported format type {kind!r}", param)
 
 
+_LEAP_FORMATS = ("time", "date-time")
+
+
 def closed(schema: Any) -> Any:
     """A copy of schema where every object that declares `properties` and says nothing about others gets
     `additionalProperties: false` (llama.cpp's and vLLM's reading), iteratively. Objects combined with
     other schemas (allOf, anyOf, oneOf, $ref, patternProperties, or inside an allOf) are left as they
-    are: closing them would refuse properties the other side declares."""
+    are: closing them would refuse properties the other side declares. A `time` / `date-time` string
+    without a `pattern` gets string_formats' expression instead of llguidance's format, which admits a
+    leap second at any minute (`00:45:60`) where RFC 3339 validators accept it only at 23:59 UTC."""
     copies: dict[int, Any] = {}
     top = _copy(schema, copies)
     stack = [schema]
@@ -90,6 +96,9 @@ def closed(schema: Any) -> Any:
         if ("properties" in node and "additionalProperties" not in node and id(node) not in no_close
                 and not any(k in node for k in _COMBINED)):
             out["additionalProperties"] = False
+        if node.get("format") in _LEAP_FORMATS and "pattern" not in node:
+            del out["format"]
+            out["pattern"] = "^" + FORMATS[node["format"]] + "$"
         for key, child in children(node):
             _place(out, key, _copy(child, copies))
             stack.append(child)

@@ -81,3 +81,13 @@ def test_counts():
     paths = 2 * COUNTS["schemas"]
     assert COUNTS["refused"] <= paths // 5, COUNTS
     assert COUNTS["validated"] >= COUNTS["outputs"] * 0.7, COUNTS
+
+
+def test_time_formats_refuse_leap_seconds_off_2359():
+    """llguidance's own `time` format admits `00:45:60`, which RFC 3339 validators refuse (a leap second
+    only at 23:59 UTC); the JSON path uses string_formats' expression, so random outputs validate."""
+    for fmt in ("time", "date-time"):
+        schema = {"type": "object", "required": ["a"],
+                  "properties": {"a": {"type": "array", "items": {"type": "string", "format": fmt}, "minItems": 3}}}
+        for seed in range(30):
+            _check(schema, seed)
