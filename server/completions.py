@@ -233,8 +233,8 @@ class _Ctx(RouteCtx):
     def stream_choice(self, item: tuple[int, RequestOutput]) -> dict[str, Any] | None:
         p, out = item
         idx, text, lps, prompt_lps = self.apply(p, out)
-        if not (text or lps or out.finished or prompt_lps):
-            return None
+        if not (text or out.token_ids or lps or out.finished or prompt_lps):
+            return None  # one event per token, "" when it added no text (docs/serving.md, "Streaming")
         choice = {"index": idx, "text": text, "logprobs": lps,
                   "finish_reason": out.finish_reason if out.finished else None}
         if prompt_lps is not None:  # with the choice's first output (vLLM refuses them streamed)

@@ -8,7 +8,6 @@ Decoding maps ids to bytes in Python (`▁` -> space, byte tokens -> their byte)
 
 from __future__ import annotations
 
-import codecs
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -230,15 +229,40 @@ class Tokenizer:
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
 
+def _incomplete_tail(data: bytes) -> int:
+    """Length of the trailing bytes of `data` that start a character more bytes could still complete
+    (0-3). Bytes that can never be valid UTF-8 (a surrogate's `ED A0`, an overlong `E0 80`) are not held."""
+    for j in range(1, min(3, len(data)) + 1):
+        if data[-j] & 0xC0 != 0x80:  # the last byte that is not a continuation byte
+            try:
+                data[-j:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                return j if e.start == 0 and e.reason == "unexpected end of data" else 0
+            return 0
+    return 0
+
+
 class IncrementalDetokenizer:
-    """Streams text token by token; bytes of an unfinished UTF-8 character are held back."""
+    """Streams text token by token; only the bytes of a character that is still incomplete are held
+    back (docs/serving.md, "Streaming"); invalid bytes become U+FFFD at once, as decode() makes them."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  mark_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.mark = mark_special_tokens and not skip_special_tokens
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = b""  # a valid, incomplete UTF-8 character: at most 3 bytes
+
+    def _text(self, b: bytes) -> str:
+        data = self._held + b if self._held else b
+        try:
+            text, self._held = data.decode("utf-8"), b""
+            return text
+        except UnicodeDecodeError:
+            pass
+        hold = _incomplete_tail(data)
+        self._held = data[len(data) - hold:] if hold else b""
+        return data[:len(data) - hold].decode("utf-8", errors="replace")
 
     def push(self, token_id: int) -> str:
         """New text after `token_id` ('' while a multi-byte character is incomplete)."""
@@ -247,10 +271,8 @@ class IncrementalDetokenizer:
             if self.skip_special_tokens:
                 return ""
             if self.mark:  # a dangling partial character before it becomes U+FFFD
-                pending = self._dec.decode(b"", final=True)
-                self._dec.reset()
-                return pending + MARK_OPEN + b.decode("utf-8", errors="replace") + MARK_CLOSE
-        text = self._dec.decode(b)
+                return self.flush() + MARK_OPEN + b.decode("utf-8", errors="replace") + MARK_CLOSE
+        text = self._text(b)
         return text.replace(MARK_OPEN, MARK_OPEN + MARK_CLOSE) if self.mark and MARK_OPEN in text else text
 
     def push_many(self, token_ids: Iterable[int]) -> str:
@@ -258,6 +280,5 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character becomes U+FFFD); resets the state."""
-        out = self._dec.decode(b"", final=True)
-        self._dec.reset()
+        out, self._held = self._held.decode("utf-8", errors="replace"), b""
         return out

@@ -65,6 +65,23 @@ def test_text_stream_cuts_where_brute_force_does(pieces: list[str], stops: list[
     assert streamed(pieces, stops, include_stop) == brute_force(pieces, stops, include_stop)
 
 
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.text(alphabet, max_size=4), max_size=25),
+       stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6))
+def test_text_stream_holds_only_a_possible_stop_prefix(pieces: list[str], stops: list[str]) -> None:
+    """Until a stop string matches, the text out after each token is the text so far but for its longest
+    suffix that could still begin a stop string (docs/serving.md, "Streaming")."""
+    ts = TextStream(PieceTokenizer(pieces), stops, skip_special_tokens=True)
+    out = seen = ""
+    for i, p in enumerate(pieces):
+        text, matched = ts.push(i)
+        if matched is not None:
+            return
+        out, seen = out + text, seen + p
+        held = max(k for k in range(len(seen) + 1) if any(s.startswith(seen[len(seen) - k:]) for s in stops))
+        assert out == seen[:len(seen) - held]
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(alphabet, max_size=60),
        stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6))

@@ -239,6 +239,50 @@ def test_incremental_detokenizer_skip_special_and_flush(tok):
     assert det.push_many(tok.encode("ok")) == "ok"  # state was reset
 
 
+def _byte_ids(tok, data: bytes) -> list[int]:
+    return [tok.piece_to_id(f"<0x{b:02X}>") for b in data]
+
+
+def test_incremental_detokenizer_byte_fallback_split(tok):
+    """A character split into byte-fallback tokens comes out with its last byte, not before and not
+    later; a byte that cannot continue (or start) a character is U+FFFD at once, never held."""
+    det = IncrementalDetokenizer(tok)
+    ids = _byte_ids(tok, "日😀".encode())
+    assert [det.push(i) for i in ids] == ["", "", "日", "", "", "", "😀"]
+    skipped = tok.piece_to_id("<|turn>")  # a skipped control token between two bytes of a character
+    split = [*_byte_ids(tok, b"\xc3"), skipped, *_byte_ids(tok, b"\xa9")]
+    assert [det.push(i) for i in split] == ["", "", "é"]
+    assert det.push(_byte_ids(tok, b"\x97")[0]) == "\ufffd"  # a lone continuation byte
+    assert [det.push(i) for i in [*_byte_ids(tok, b"\xe6\x97"), *tok.encode("a")]] == ["", "", "\ufffda"]
+    assert det.push(_byte_ids(tok, b"\xc0")[0]) == "\ufffd"  # never the start of a character
+    # a surrogate's first bytes can never be valid (codecs' incremental decoder held them)
+    assert [det.push(i) for i in _byte_ids(tok, b"\xed\xa0")] == ["", "\ufffd\ufffd"]
+    assert det.push(_byte_ids(tok, b"\xf0")[0]) == "" and det.flush() == "\ufffd"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([*range(0x80, 0x100), 0x41, 0x20]), max_size=24))
+def test_incremental_detokenizer_holds_only_an_incomplete_character(tok, data):
+    """After every byte token the text out so far is the whole decode but for a trailing valid prefix of
+    a character (at most 3 bytes)."""
+    det = IncrementalDetokenizer(tok)
+    out = ""
+    for k in range(len(data)):
+        out += det.push(_byte_ids(tok, data[k:k + 1])[0])
+        buf = bytes(data[:k + 1])
+        hold = max([j for j in range(1, min(3, len(buf)) + 1) if _incomplete(buf[-j:])], default=0)
+        assert out == buf[:len(buf) - hold].decode("utf-8", errors="replace"), buf
+    assert out + det.flush() == bytes(data).decode("utf-8", errors="replace")
+
+
+def _incomplete(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start == 0 and e.reason == "unexpected end of data"
+    return False
+
+
 def test_metadata_survives_a_gguf_file(tmp_path, meta):
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "tok.gguf"
