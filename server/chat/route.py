@@ -190,7 +190,7 @@ class _Ctx(RouteCtx):
             d["tool_calls"] = [tc.to_openai() for tc in delta.tool_calls]
         if not (d or out.token_ids or lps or out.finished):
             return None  # one event per token (docs/serving.md, "Streaming")
-        if not d and c.parser.state == "content":
+        if not d and not out.finished and c.parser.state == "content":
             d["content"] = ""  # a token that added no text: skipped, or bytes of a character held back
         return {"index": out.index, "delta": d, "logprobs": {"content": lps} if self.req.logprobs else None,
                 "finish_reason": self.reason(c) if out.finished else None}

@@ -123,7 +123,7 @@ def _chat(s: LiveServer, eng: RecordingEngine, **kw: Any) -> tuple[list[str | No
                 **kw)
     events = _events(s, "/v1/chat/completions", body)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    texts = [e["choices"][0]["delta"].get("content") for e in events[1:]]
+    texts = [e["choices"][0]["delta"].get("content", "") for e in events[1:]]  # the last: {}
     return texts, _check(eng, events[1:], texts)
 
 
