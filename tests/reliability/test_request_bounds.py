@@ -68,6 +68,8 @@ def test_max_tokens_too_large_says_so(live, value: int) -> None:
             assert "at least" not in msg, msg  # the old, untrue "must be at least 1 / 0"
             want = "too large" if value > 2**31 - 1 else f"context length is {CONTEXT} tokens"
             assert want in msg, msg
+            if route == RESPONSES and value > 2**31 - 1:  # the field the request sent, by its name
+                assert msg.startswith("max_output_tokens is too large"), msg
 
 
 BAD_NAMES = ['get\nweather', "get weather", "a{b", "a<b", "x|y", "tab\there"]
