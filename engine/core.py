@@ -111,8 +111,11 @@ class SamplingParams:
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise RequestError(f"{name} must be a finite number", name)
-        if self.max_tokens is not None and not 0 <= self.max_tokens <= MAX_INT:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise RequestError("max_tokens must be at least 0", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens > MAX_INT:  # no context is that long
+            raise RequestError(f"max_tokens is too large: {self.max_tokens} (at most {MAX_INT}; the prompt "
+                               "and max_tokens must fit the model's context length)", "max_tokens")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
             raise RequestError("seed must fit in 64 bits", "seed")
         if not 0.0 <= self.temperature <= 2.0:
@@ -157,10 +160,14 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise RequestError(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
-        if not 0 <= self.min_tokens <= MAX_INT:
+        if self.min_tokens < 0:
             raise RequestError("min_tokens must be >= 0", "min_tokens")
+        if self.min_tokens > MAX_INT:
+            raise RequestError(f"min_tokens is too large: {self.min_tokens} (at most {MAX_INT}; no more than "
+                               "the context length leaves for the completion)", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise RequestError("min_tokens must not exceed max_tokens", "min_tokens")
+            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                               f"({self.max_tokens})", "min_tokens")
         if self.grammar is not None and self.ignore_eos:
             raise RequestError("ignore_eos cannot be combined with a grammar (structured output or a "
                                "required tool call ends with EOS)", "ignore_eos")

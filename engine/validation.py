@@ -28,7 +28,12 @@ def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) 
         raise RequestError(
             f"the prompt has {prompt_len} tokens, which does not leave room for any completion within "
             f"the context length of {context_length} tokens")
+    room = context_length - prompt_len  # the most a completion can have
     if params.max_tokens is None:
+        if params.min_tokens > room:
+            raise RequestError(
+                f"min_tokens is {params.min_tokens}, but this model's context length is {context_length} "
+                f"tokens and the prompt has {prompt_len}: at most {room} can be generated", "min_tokens")
         return context_length
     if prompt_len + params.max_tokens > context_length:
         raise RequestError(

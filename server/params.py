@@ -140,5 +140,6 @@ def build_params(req: SamplingFields, max_tokens: int | None, logprobs: int | No
         params.validate(vocab_size)
     except RequestError as e:
         param = (rename or {}).get(e.param or "", e.param)
-        raise APIError(400, str(e), param, "invalid_value") from None
+        msg = str(e) if param == e.param or not e.param or not param else str(e).replace(e.param, param)
+        raise APIError(400, msg, param, "invalid_value") from None
     return params

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # after json.loads a valid surrogate pair is one character: what is left in this range is a lone half,
@@ -101,11 +101,26 @@ class ChatMessage(Lenient):
     function_call: dict[str, Any] | None = None  # deprecated form of one tool call
 
 
+# what a Gemma tool call can carry as a name (`call:NAME{`, read back by server/chat/tool_parser.py): more
+# than OpenAI's ^[a-zA-Z0-9_-]{1,64}$ (dots, colons, quotes, any length), no whitespace, braces, <, > or |
+TOOL_NAME = re.compile(r"[^\s{}<>|]+")
+
+
 class FunctionDef(Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _writable(cls, name: str) -> str:
+        if name and not TOOL_NAME.fullmatch(name):
+            raise PydanticCustomError(
+                "tool_name", "tool name {name} cannot be written in a Gemma tool call (no whitespace, "
+                "braces, '<', '>' or '|'; OpenAI's rule is letters, digits, '_' and '-', at most 64)",
+                {"name": repr(name)})
+        return name
 
 
 class Tool(Lenient):

@@ -31,6 +31,7 @@ from llguidance import regex_to_lark
 from swaserve.engine.text.grammar import json_lark
 from swaserve.server.chat.schema_walk import resolve
 from swaserve.server.chat.string_formats import FORMATS
+from swaserve.server.protocol import TOOL_NAME
 
 QUOTE_TOKEN = '<|"|>'
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -38,7 +39,7 @@ _OBJECT_KEYS = ("properties", "additionalProperties", "required")
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 _BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_TOOL_NAME = re.compile(r"[^\s{}<>|]+")  # what server/chat/tool_parser.py reads back as a call's name
+
 
 _COMMON = r"""
 gstring: <|"|> GSTR <|"|>
@@ -333,7 +334,7 @@ def tool_calls_lark(tools: Sequence[dict[str, Any]], parallel: bool, thinking: b
     for t in tools:
         fn = t.get("function", t)
         name = fn["name"]
-        if not _TOOL_NAME.fullmatch(name):
+        if not TOOL_NAME.fullmatch(name):
             raise SchemaError(f"tool name {name!r} cannot be written in a Gemma tool call (no whitespace, "
                               "braces, '<', '>' or '|')")
         params = fn.get("parameters") or {"type": "object", "properties": {}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from swaserve.server.errors import bad_request
 from swaserve.server.protocol import (
@@ -136,8 +136,10 @@ def function_tools(req: ResponsesRequest) -> tuple[list[Tool] | None, Any]:
             try:
                 fn = FunctionDef(name=t.get("name", ""), description=t.get("description"),
                                  parameters=t.get("parameters"), strict=t.get("strict"))
-            except ValueError:
-                raise bad_request("a function tool needs a non-empty name", f"tools[{i}].name") from None
+            except ValidationError as e:
+                why = e.errors(include_url=False)[0]
+                msg = why["msg"] if why["type"] == "tool_name" else "a function tool needs a non-empty name"
+                raise bad_request(msg, f"tools[{i}].name") from None
             tools.append(Tool(type="function", function=fn))
     choice: Any = req.tool_choice
     if isinstance(choice, dict):
@@ -150,6 +152,9 @@ def function_tools(req: ResponsesRequest) -> tuple[list[Tool] | None, Any]:
     return tools, choice
 
 
+TEXT_FORMATS = ("text", "json_object", "json_schema")
+
+
 def text_format(req: ResponsesRequest) -> tuple[str | None, Any, bool | None]:
     """text.format -> (kind, schema, strict)."""
     fmt = (req.text or {}).get("format")
@@ -157,7 +162,17 @@ def text_format(req: ResponsesRequest) -> tuple[str | None, Any, bool | None]:
         return None, None, None
     if not isinstance(fmt, dict):
         raise bad_request("text.format must be an object", "text.format")
-    return fmt.get("type"), fmt.get("schema"), fmt.get("strict")
+    kind = fmt.get("type")
+    if kind not in TEXT_FORMATS:
+        raise bad_request(f"text.format.type must be one of {', '.join(TEXT_FORMATS)}, got {kind!r}",
+                          "text.format.type")
+    schema, strict = fmt.get("schema"), fmt.get("strict")
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise bad_request("text.format.schema must be a JSON schema object for type json_schema",
+                          "text.format.schema")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"text.format.strict must be a boolean, got {strict!r}", "text.format.strict")
+    return kind, schema, strict
 
 
 def echo_tools(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from swaserve.engine.core import RequestError
 from swaserve.server.body import json_body
@@ -56,9 +57,14 @@ def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None) -
         if kind == "json_schema":
             fmt["json_schema"] = {"name": "output", "schema": schema, "strict": strict}
     effort = (req.reasoning or {}).get("effort")
-    return ChatCompletionRequest(messages=input_messages(req, history), tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=req.parallel_tool_calls, response_format=fmt,
-                                 reasoning_effort=effort, chat_template_kwargs=req.chat_template_kwargs)
+    try:
+        return ChatCompletionRequest(messages=input_messages(req, history), tools=tools, tool_choice=choice,
+                                     parallel_tool_calls=req.parallel_tool_calls, response_format=fmt,
+                                     reasoning_effort=effort, chat_template_kwargs=req.chat_template_kwargs)
+    except ValidationError as e:  # a field the checks above let through: a 400 naming it, never a 500
+        err = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise bad_request(f"invalid value for {where}: {err.get('msg')}", where or None) from None
 
 
 @router.post("/v1/responses")

@@ -32,9 +32,10 @@ def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVT
     if blocks < 1:
         raise ValueError(f"--kv-offload-gb {c.kv_offload_gb} is less than one KV block "
                          f"({block_bytes / 2**20:.2f} MiB)")
-    fp = fingerprint(["swaserve-kv-tier", 2, file_identity(bundle.path), bundle.config, pool.kv_format.name,
-                      pool.page_size, pool.full_per_block, pool.full_record, pool.swa_record,
-                      cfg.cpu_matmul, bundle.device.type])
+    model = file_identity(bundle.path, c.kv_offload_dir)  # the whole file's hash (kept in the directory)
+    fp = fingerprint(["swaserve-kv-tier", 3, model, bundle.config, pool.kv_format.name, pool.page_size,
+                      pool.full_per_block, pool.full_record, pool.swa_record, cfg.cpu_matmul,
+                      bundle.device.type])
     disk = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
     host_gb = c.kv_offload_host_gb
     if host_gb is None:

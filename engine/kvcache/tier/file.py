@@ -7,13 +7,13 @@ copy.
 
 File layout: a 4 KiB file header (magic, format version, KV types, fingerprint, geometry), then one 64-byte
 record header per slot (full slots, then SWA slots), then the payload blocks (4 KiB aligned). A record header
-holds a magic, the kind, the page's radix-path key, the fingerprint of the model and KV layout and the
-CRC-32 of the payload. A write clears the header, copies the payload, then seals the header; a read checks
-header, fingerprint, key and CRC before it copies anything. So a torn write, a corrupted or truncated file,
-a file of another model or layout, is detected and the record is not served (the page is recomputed). A
-file whose header or size does not match is reinitialised on open; a file shrunk while open is noticed
-before each read (no access beyond its end). On a GPU the copies go through this file's host mapping too
-(a pinned host-memory tier in front of it is not built).
+holds a magic, the kind, the page's radix-path key, the fingerprint of the model (a hash of the whole GGUF:
+file_identity) and KV layout and the CRC-32 of the payload. A write clears the header, copies the payload,
+then seals the header; a read checks header, fingerprint, key and CRC before it copies anything. So a torn
+write, a corrupted or truncated file, a file of another model or layout, is detected and the record is not
+served (the page is recomputed). A file whose header or size does not match is reinitialised on open; a
+file shrunk while open is noticed before each read (no access beyond its end). On a GPU the copies go
+through this file's host mapping too (a pinned host-memory tier in front of it is not built).
 Records are the arena's bytes as they are (8-bit for q8_0 / fp8 KV); a file of another format version or
 KV types is refused with a warning naming both (and reinitialised), never read as this one.
 """
@@ -23,12 +23,15 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import logging
 import mmap
 import os
 import struct
+import time
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -64,16 +67,84 @@ def fingerprint(parts: Iterable[object]) -> bytes:
     return h.digest()
 
 
-def file_identity(path: str, sample: int = 1 << 20) -> tuple[int, str]:
-    """(size, hash of the first and last `sample` bytes) of a model file: its identity in a fingerprint."""
-    size = os.path.getsize(path)
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        h.update(f.read(sample))
-        if size > sample:
-            f.seek(max(sample, size - sample))
-            h.update(f.read(sample))
-    return size, h.hexdigest()
+HASH_CHUNK = 16 << 20  # bytes per hashlib update (it releases the GIL over each)
+IDENTITY_FILE = "swaserve-kv.model-hash"  # beside the tier file: the last whole-file hash and the stat it had
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    # any write to the file changes its ctime (which no user can set): a match means the same bytes
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_identity(path: str, cache_dir: str | os.PathLike | None = None) -> tuple[int, str]:
+    """(size, SHA-256 of the whole file) of a model file: its identity in a fingerprint, so two GGUFs that
+    differ anywhere (a middle tensor included) never share a tier. The file is read once, SEGMENTs in
+    parallel threads (a progress bar past PROGRESS_S); with `cache_dir` the hash is kept there and reused
+    while the file's stat (device, inode, size, mtime, ctime) is unchanged."""
+    st = os.stat(path)
+    memo = Path(cache_dir) / IDENTITY_FILE if cache_dir is not None else None
+    if memo is not None:
+        try:
+            kept = json.loads(memo.read_text())
+            if kept["path"] == os.path.realpath(path) and kept["stat"] == _stat_key(st):
+                return st.st_size, kept["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    digest = _hash_file(path, st.st_size)
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_suffix(".tmp")
+            kept = {"path": os.path.realpath(path), "stat": _stat_key(st), "sha256": digest}
+            tmp.write_text(json.dumps(kept))
+            os.replace(tmp, memo)
+        except OSError as e:
+            log.warning("KV offload tier: cannot keep the model hash in %s: %s", memo, e)
+    return st.st_size, digest
+
+
+PROGRESS_S = 1.0  # a hash taking longer shows a progress bar
+SEGMENT = 1 << 30  # bytes per thread: segments are hashed in parallel (hashlib releases the GIL)
+
+
+def _hash_range(path: str, start: int, end: int, done: list[int], slot: int) -> bytes:
+    h = hashlib.sha256()  # SHA-NI where the CPU has it: about 3x blake2b's speed
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while start < end and (n := f.readinto(view[:min(HASH_CHUNK, end - start)])):
+            h.update(view[:n])
+            start += n
+            done[slot] += n  # this thread's slot only
+    return h.digest()
+
+
+def _hash_file(path: str, size: int) -> str:
+    t0 = time.monotonic()
+    starts = list(range(0, size, SEGMENT)) or [0]
+    done = [0] * len(starts)  # bytes hashed, per segment
+    workers = max(1, min(len(starts), os.cpu_count() or 1, 8))
+    bar = None
+    with ThreadPoolExecutor(workers, thread_name_prefix="model-hash") as pool:
+        jobs = [pool.submit(_hash_range, path, a, min(a + SEGMENT, size), done, i)
+                for i, a in enumerate(starts)]
+        while wait(jobs, timeout=0.25).not_done:
+            if bar is None and time.monotonic() - t0 > PROGRESS_S:
+                from tqdm import tqdm
+
+                bar = tqdm(total=size, unit="B", unit_scale=True, desc="KV tier: hashing the model file",
+                           leave=False)
+            if bar is not None:
+                bar.update(sum(done) - bar.n)
+        h = hashlib.sha256(size.to_bytes(8, "little"))
+        for job in jobs:
+            h.update(job.result())
+    if bar is not None:
+        bar.close()
+    log.info("KV offload tier: hashed the model file (%.2f GiB) in %.1f s", size / 2**30,
+             time.monotonic() - t0)
+    return h.hexdigest()[:32]
 
 
 def kv_types(pool: ArenaKVPool) -> str:
