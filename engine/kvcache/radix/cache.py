@@ -136,12 +136,8 @@ class SWARadixCache(PrefixCache):
         self._touch(handle)
         if k:
             self.retention.credit([handle, *path], k, p)
-        if self.use_anchors:  # where the prompt leaves the cached path, or a sequence seen before
-            keys = prefix_keys(ids, P, max_pages)
-            if 0 < p < max_pages:
-                at = handle if p == k else self._node_ending_at(path, p)
-                self.retention.add_anchor(at, p, p * P, keys[p])
-            self.retention.learn(keys, p, max_pages)
+        if self.use_anchors:  # where the prompt leaves a sequence seen before (retention.py)
+            self.retention.learn(prefix_keys(ids, P, max_pages), p, max_pages)
         lo = self.window_start(k)
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])

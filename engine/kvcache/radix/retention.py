@@ -20,10 +20,10 @@ path had before (a conversation's new turn continues the previous turn's rhythm)
 anchor leaves a ghost (keyed by a hash of its token prefix) so that the window, once recomputed and
 anchored again, starts with its interval known.
 
-Anchors the cache finds without message starts (a raw-prompt client): a match that leaves the cached
-path at page p (diverges from it, or extends it: the previous turn's sequence end) anchors p at once;
-and every page boundary of recent prompts and inserts is remembered (`seen`, keyed like the anchors), so a
-prompt that shares more with an earlier sequence than the tree still holds (its KV was evicted) leaves
+Anchors the cache finds without message starts (a raw-prompt client), besides prompt ends, sequence ends
+and branch points: every page boundary of recent prompts and inserts is remembered (`seen`, keyed like
+the anchors), so a prompt that shares more with an earlier sequence than the tree still holds (its KV
+was evicted) leaves
 a ghost at the boundary d where it leaves that sequence (or marks the ghost there): branched unless the
 earlier sequence ended at d.
 An insert re-creates the anchor of every ghost on its path, so an evicted window, once recomputed, is

@@ -4,9 +4,9 @@ Anchors are keyed by the token prefix they end (tuple(ids[:hi * P])); the tree i
 page map (prefix key -> [full, swa]). Everything is recomputed from those keys: which prefix is a
 branch, which anchor a new one inherits from, which anchors are redundant, the retention order,
 the reuse credit of a match, the ghosts of dropped anchors, the anchors found without message starts
-(where a match leaves the cached path; ghosts where a prompt leaves a sequence seen before, by the page
-boundaries of every prompt and insert so far, and their re-creation on insert). Node recency and the
-remembered evicted continuations (lost keys) are read from the cache, the rest is predicted and compared.
+(ghosts where a prompt leaves a sequence seen before, by the page boundaries of every prompt and insert
+so far, and their re-creation on insert). Node recency and the remembered evicted continuations (lost
+keys) are read from the cache, the rest is predicted and compared.
 """
 
 from __future__ import annotations
@@ -113,8 +113,6 @@ class AnchorModel:
                 break
         if not self.c.use_anchors:
             return
-        if 0 < f < max_pages:  # the prompt leaves the cached path at f
-            self.add(list(ids), f, f * P)
         for d in range(max_pages - 1, f, -1):  # it leaves a sequence seen before at d
             got = self.seen.get(tuple(ids[:d * P]))
             if got is not None:

@@ -1,7 +1,7 @@
 """Anchors the cache finds without message starts (a raw-prompt client: /v1/completions, token ids):
-where a match leaves the cached path, ghosts where a prompt leaves a sequence seen before whose KV is
-gone, their re-creation with a known reuse interval; and the raw-prompt traces of bench/cache_sim.py
-through the real Scheduler against the chat route's figures."""
+ghosts where a prompt leaves a sequence seen before whose KV is gone, the re-creation of an evicted
+anchor by the next insert that passes it, with a known reuse interval; and the raw-prompt traces of
+bench/cache_sim.py through the real Scheduler against the chat route's figures."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_next_turn_re_creates_the_evicted_sequence_end_with_its_interval() -> No
     assert not anchors(cc.c)
     turn2 = turn1 + list(range(200, 212))
     assert cc.match(turn2).reused_len == 0  # the window at page 10 is gone, its full KV is not
-    an = anchors(cc.c)[10]  # anchored where the prompt extends the cached path, with the ghost's history
+    put(cc, turn2, prompt_len=len(turn2))  # the next turn passes page 10: anchored again, its history kept
+    an = anchors(cc.c)[10]
     assert an.interval == 4 and not an.branched
 
 
