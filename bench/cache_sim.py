@@ -6,8 +6,15 @@ tokens reused per row and the ratio to keep-everything (a pool too large to ever
     swaserve bench cache                  # the full table (page 16, window 1024)
     swaserve bench cache --json           # one JSON object per row
     swaserve bench cache --workload multiturn --windows 8,16 --policy lazy
+    swaserve bench cache --kv-cache-memory-gb 2,4 --kv-cache-dtype q8_0   # pools of 2 and 4 GiB of q8_0 KV
 
 `python -m swaserve.bench.cache_sim` takes the same flags.
+
+Units: every row prints its pools as total windows (the SWA pool's tokens / window, what the running
+requests hold included) and as GiB of gemma-4-26B-A4B KV in bf16 and in q8_0 (bench/cache_units.py), so a
+row lines up with the engine's --kv-cache-memory-gb. Policies: `lazy` (message starts passed as a chat
+client's are), `lazy-no-msg-anchors` (a raw-prompt client: /v1/completions, token ids; the cache's own
+anchors stay), `lazy-no-anchors` (the ablation: no anchor of any kind), `eager-16` (the seed's), `eager-512`.
 
 Pools: an SWA pool that holds `swa_pool_windows` windows of cache on top of what the running requests
 need (each its window plus two pages, and one prefill chunk: the minimum engine/builder.py enforces),
@@ -32,20 +39,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swaserve.bench.cache_traces import WORKLOADS, TraceRequest, TraceShape, make_trace
+from swaserve.bench.cache_units import (
+    GIB_SUFFIX,
+    KV_BYTES_PER_TOKEN,
+    ROOMY,
+    describe,
+    pages_for_memory,
+    parse_choices,
+    parse_gib,
+    parse_windows,
+)
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, Req, SamplingParams
 from swaserve.engine.kvcache import Arena, PageAllocator, PagePool, SWARadixCache
 from swaserve.engine.kvcache.tier.index import DictTierIO, KVTier
 from swaserve.engine.scheduler import KVManager, Scheduler, make_reqs
 
-POLICIES = ("lazy", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier", "eager-16+tier",
-            "eager-512+tier")
+POLICIES = ("lazy", "lazy-no-msg-anchors", "lazy-no-anchors", "eager-16", "eager-512", "lazy+tier",
+            "eager-16+tier", "eager-512+tier")
 # lazy with a second tier (engine/kvcache/tier/index.py) that holds every page of the trace
 TIER = "lazy+tier"
 TIER_SUFFIX = "+tier"  # any policy with a second tier
 KEEP_EVERYTHING = "keep-everything"
+# a raw-prompt client (/v1/completions, token ids): no message starts; the cache's own anchors stay
+NO_MESSAGE_ANCHORS = "lazy-no-msg-anchors"
+NO_ANCHORS = "lazy-no-anchors"  # the ablation: no anchor of any kind
 WINDOWS = ("4", "8", "16", "roomy")
-ROOMY = "roomy"
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,7 @@ class Geometry:
     arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
     full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
     tier_blocks: int | None = None  # X+tier: the tier's blocks (None: enough for the whole trace)
+    kv_type: str = "bf16"  # the KV storage type a pool size in GiB is counted in (bench/cache_units.py)
 
 
 @dataclass
@@ -75,6 +95,7 @@ class Row:
     per_request: list[int] = field(default_factory=list, repr=False)
     memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
     tier: dict[str, Any] | None = None  # X+tier: the tier's counters at the end
+    pool: dict[str, float] = field(default_factory=dict)  # cache_units.describe: total windows, GiB
 
     @property
     def ratio(self) -> float:
@@ -82,7 +103,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "policy": self.policy, "memory": self.memory,
-                "swa_pool_windows": self.swa_pool_windows,
+                "swa_pool_windows": self.swa_pool_windows, **self.pool,
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
@@ -172,10 +193,18 @@ def running_pages(geo: Geometry) -> int:
 
 def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry) -> tuple[int, int]:
     """(full pages, SWA pages): an SWA pool that holds `windows` windows of cache besides what the
-    running requests need, and a full pool of full_per_swa times as many tokens; or a roomy pair."""
+    running requests need, and a full pool of full_per_swa times as many tokens; "<G>GiB": split pools of
+    G GiB of geo.kv_type KV in all (what --kv-cache-memory-gb gives); or a roomy pair."""
     if windows == ROOMY:
         total = sum(len(r.prompt) + len(r.answer) for r in trace) // geo.page_size + 1024
         return total, total
+    if isinstance(windows, str) and windows.endswith(GIB_SUFFIX):
+        full, swa = pages_for_memory(float(windows.removesuffix(GIB_SUFFIX)), geo.page_size, geo.full_per_swa,
+                                     geo.kv_type)
+        if swa < running_pages(geo):
+            raise ValueError(f"{windows} of {geo.kv_type} KV cannot hold {geo.concurrency} running windows "
+                             f"and a chunk ({running_pages(geo)} SWA pages of {geo.page_size} tokens)")
+        return full, swa
     swa = int(windows) * geo.window // geo.page_size + running_pages(geo)
     return geo.full_per_swa * swa, swa
 
@@ -193,11 +222,11 @@ def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
         fa, sa = PageAllocator(full_pages), PageAllocator(swa_pages)
     base = policy.removesuffix(TIER_SUFFIX)
     kw: dict[str, Any] = {"policy": "lazy", "swa_retain_tokens": 512}
-    if base == "lazy-no-anchors":
+    if base == NO_ANCHORS:
         kw["anchors"] = False
     elif base.startswith("eager-") and base.removeprefix("eager-").isdigit():
         kw = {"policy": "eager", "swa_retain_tokens": int(base.removeprefix("eager-"))}
-    elif base not in ("lazy", KEEP_EVERYTHING):
+    elif base not in ("lazy", NO_MESSAGE_ANCHORS, KEEP_EVERYTHING):
         raise ValueError(f"unknown policy {policy!r}")
     cache = SWARadixCache(geo.page_size, geo.window, fa, sa, **kw)
     if policy.endswith(TIER_SUFFIX):
@@ -220,7 +249,7 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
         blocks = geo.tier_blocks or roomy_swa + -(-roomy_full // geo.full_per_block)
         tier = KVTier(SimTierIO(model, geo.full_per_block), blocks, geo.full_per_block, name="sim")
     sched, cache = build(policy, full_pages, swa_pages, geo, tier)
-    pass_anchors = not policy.startswith("lazy-no-anchors")
+    pass_anchors = policy.removesuffix(TIER_SUFFIX) not in (NO_MESSAGE_ANCHORS, NO_ANCHORS)
     pending = deque(enumerate(trace))
     done: list[Req] = []
     in_flight: list[Req] = []
@@ -255,6 +284,7 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
         assert kv.full_alloc.num_used == kv.swa_alloc.num_used == 0, "pages leaked"
         tier.check()
     return Row(workload, policy, windows, sum(r.cached_tokens or 0 for r in done),
+               pool=describe(full_pages, swa_pages, geo.page_size, geo.window),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
                seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
@@ -283,7 +313,8 @@ def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequen
 
 def format_table(rows: Sequence[Row], policies: Sequence[str]) -> str:
     """One line per (workload, pool): each policy's ratio to keep-everything (reused tokens in brackets)."""
-    head = f"{'workload':11s} {'windows':>7s}  " + "  ".join(f"{p:>18s}" for p in policies)
+    head = f"{'workload':11s} {'windows':>7s} {'total':>6s} {'GiB bf16':>8s} {'q8_0':>6s}  " + \
+        "  ".join(f"{p:>18s}" for p in policies)
     lines = [head, "-" * len(head)]
     by_key: dict[tuple[str, str], dict[str, Row]] = {}
     uppers: dict[str, Row] = {}
@@ -295,41 +326,31 @@ def format_table(rows: Sequence[Row], policies: Sequence[str]) -> str:
     for (w, win), cells in by_key.items():
         vals = [f"{cells[p].ratio:6.3f} ({cells[p].reused_tokens:>7d})" if p in cells else f"{'-':>18s}"
                 for p in policies]
-        lines.append(f"{w:11s} {win:>7s}  " + "  ".join(vals))
+        u = next(iter(cells.values())).pool
+        units = f"{u['total_windows']:6.1f} {u['gib_bf16']:8.2f} {u['gib_q8_0']:6.2f}"
+        lines.append(f"{w:11s} {win:>7s} {units}  " + "  ".join(vals))
     lines.append("")
+    lines.append("windows: of cache beyond the running requests' (or a --kv-cache-memory-gb size); total: "
+                 "the SWA pool's windows, running ones included; GiB: gemma-4-26B-A4B KV of those pools, "
+                 "bf16 / q8_0")
     lines.append("keep-everything (reusable tokens): " + ", ".join(
         f"{w} {u.reused_tokens} of {u.prompt_tokens} prompt tokens" for w, u in uppers.items()))
     return "\n".join(lines)
 
 
-def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
-    return items
-
-
-def _windows(text: str) -> list[int | str]:
-    out: list[int | str] = []
-    for x in (x.strip() for x in text.split(",") if x.strip()):
-        if x == ROOMY:
-            out.append(x)
-        elif x.isdigit() and int(x) > 0:
-            out.append(int(x))
-        else:
-            raise argparse.ArgumentTypeError(f"--windows: expected positive integers or 'roomy', got {x!r}")
-    return out
-
-
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", type=lambda s: _choices(s, WORKLOADS, "--workload"), default=list(WORKLOADS),
+    p.add_argument("--workload", type=lambda s: parse_choices(s, WORKLOADS, "--workload"),
+                   default=list(WORKLOADS),
                    help=f"comma-separated (default all): {', '.join(WORKLOADS)}")
-    p.add_argument("--policy", type=lambda s: _choices(s, POLICIES, "--policy"), default=list(POLICIES),
+    p.add_argument("--policy", type=lambda s: parse_choices(s, POLICIES, "--policy"), default=list(POLICIES),
                    help=f"comma-separated (default all): {', '.join(POLICIES)}")
-    p.add_argument("--windows", type=_windows, default=[4, 8, 16, ROOMY],
+    p.add_argument("--windows", type=parse_windows, default=[4, 8, 16, ROOMY],
                    help="SWA pool sizes in windows, comma-separated (default 4,8,16,roomy)")
+    p.add_argument("--kv-cache-memory-gb", type=parse_gib, default=[],
+                   help="more pool sizes, in GiB of gemma-4-26B-A4B KV in all (split pools, full tokens 4x "
+                        "SWA tokens), comma-separated: what the engine's --kv-cache-memory-gb gives")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_BYTES_PER_TOKEN), default="bf16",
+                   help="the KV type --kv-cache-memory-gb counts in (default bf16)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     p.add_argument("--arena", action="store_true",
                    help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
@@ -355,8 +376,9 @@ def run_cache(args: argparse.Namespace) -> int:
     error = _flag_error(args)
     if error is not None:
         raise ValueError(error)
-    geo = Geometry(concurrency=args.concurrency, arena=args.arena)
-    rows = run_table(args.workload, args.policy, args.windows, geo, check=args.check, progress=not args.json)
+    geo = Geometry(concurrency=args.concurrency, arena=args.arena, kv_type=args.kv_cache_dtype)
+    sizes = [*args.windows, *args.kv_cache_memory_gb]
+    rows = run_table(args.workload, args.policy, sizes, geo, check=args.check, progress=not args.json)
     if args.json:
         for r in rows:
             print(json.dumps(r.to_json()))

@@ -1,7 +1,7 @@
 """bench/cache_sim.py: the retention invariant on every row of smaller traces (lazy with anchors never
-loses to its ablations), the multi-turn targets on the full-size trace, KV correctness of the
-simulation (the fake model checks every read), and the command line (`python -m swaserve.bench.cache_sim`
-and `swaserve bench cache`)."""
+loses to its ablations, nor does lazy without message anchors to no anchors at all), the multi-turn
+targets on the full-size trace, KV correctness of the simulation (the fake model checks every read),
+and the command line (`python -m swaserve.bench.cache_sim` and `swaserve bench cache`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ import json
 
 import pytest
 
-from swaserve.bench.cache_sim import KEEP_EVERYTHING, POLICIES, Geometry, main, run_table, simulate
+from swaserve.bench.cache_sim import (
+    KEEP_EVERYTHING,
+    NO_ANCHORS,
+    NO_MESSAGE_ANCHORS,
+    POLICIES,
+    Geometry,
+    main,
+    run_table,
+    simulate,
+)
 from swaserve.bench.cache_traces import WORKLOADS, TraceShape, make_trace
 
 SMALL = TraceShape(groups=8, per_group=6, system_len=256, question_len=16, fanout_answer_len=8,
@@ -29,10 +38,13 @@ def test_lazy_never_loses_to_its_ablations(small_rows) -> None:
             cells.setdefault((r.workload, str(r.swa_pool_windows)), {})[r.policy] = r.reused_tokens
     assert len(cells) == len(WORKLOADS) * 5
     for key, c in cells.items():
-        assert c["lazy"] >= c["lazy-no-anchors"], (key, c)
+        assert c["lazy"] >= c[NO_ANCHORS], (key, c)
         assert c["lazy"] >= c["eager-512"], (key, c)
+        # a raw-prompt client (no message starts): the anchors the cache finds never lose to none
+        assert c[NO_MESSAGE_ANCHORS] >= c[NO_ANCHORS], (key, c)
     # the comparison is not vacuous: pressure makes the policies differ somewhere
-    assert any(c["lazy"] > c["lazy-no-anchors"] for c in cells.values())
+    assert any(c["lazy"] > c[NO_ANCHORS] for c in cells.values())
+    assert any(c[NO_MESSAGE_ANCHORS] > c[NO_ANCHORS] for c in cells.values())
 
 
 def test_keep_everything_is_the_upper_bound(small_rows) -> None:

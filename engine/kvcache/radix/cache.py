@@ -14,7 +14,6 @@ evicted pages are written to the second tier.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +21,15 @@ from swaserve.engine.kvcache.allocator import PagePool
 from swaserve.engine.kvcache.base import CacheHandle, InsertResult, Match, PrefixCache
 from swaserve.engine.kvcache.radix.eviction import Evictor
 from swaserve.engine.kvcache.radix.integrity import check_cache
-from swaserve.engine.kvcache.radix.node import Node, common_pages, page_key, path_ranges, split
-from swaserve.engine.kvcache.radix.retention import Retention
+from swaserve.engine.kvcache.radix.node import (
+    Node,
+    common_pages,
+    deepest_reuse_end,
+    page_key,
+    path_ranges,
+    split,
+)
+from swaserve.engine.kvcache.radix.retention import Retention, prefix_keys
 from swaserve.engine.kvcache.tier.demotion import Demoter
 from swaserve.engine.kvcache.tier.index import ROOT_KEY, KVTier, chain_keys
 
@@ -125,11 +131,13 @@ class SWARadixCache(PrefixCache):
             if m < n:
                 break
             node = child
-        k = self._deepest_reuse_end(swa, p)
+        k = deepest_reuse_end(swa, p, P, self.window)
         handle = self._node_ending_at(path, k)
         self._touch(handle)
         if k:
             self.retention.credit([handle, *path], k, p)
+        if self.use_anchors:  # where the prompt leaves a sequence seen before (retention.py)
+            self.retention.learn(prefix_keys(ids, P, max_pages), p, max_pages)
         lo = self.window_start(k)
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])
@@ -174,18 +182,7 @@ class SWARadixCache(PrefixCache):
 
     def reuse_end(self, swa: list[int | None], k: int) -> int:
         """Largest k' <= k whose window pages [window_start(k'), k') are all live in `swa`."""
-        return self._deepest_reuse_end(list(swa), k)
-
-    def _deepest_reuse_end(self, swa: list[int | None], k: int) -> int:
-        """Largest k' <= k whose window pages [window_start(k'), k') are all live."""
-        while k > 0:
-            lo = self.window_start(k)
-            seg = swa[lo:k]
-            if None not in seg:
-                return k
-            seg.reverse()
-            k = k - 1 - seg.index(None)  # the deepest hole; any reuse point must end at or before it
-        return 0
+        return deepest_reuse_end(swa, k, self.page_size, self.window)
 
     def _node_ending_at(self, path: list[Node], k: int) -> Node:
         """The node of path ending exactly at page k (splitting one if needed); root for k == 0."""
@@ -267,16 +264,8 @@ class SWARadixCache(PrefixCache):
         extra = [prompt_len] if prompt_len is not None else []
         if finished:
             extra.append(len(ids))
-        if not self.use_anchors:
-            branches, anchors, extra = [], (), []
-        add_anchor = self.retention.add_anchor
-        for nd in branches:
-            add_anchor(nd, nd.end_page, nd.end_page * P, ids, branch=True)
-        ends = [nd.end_page for nd in path]
-        for a in (*anchors, *extra):
-            if 0 < a <= len(ids) and n > 0:
-                hi = min(-(-a // P), n)
-                add_anchor(path[bisect.bisect_left(ends, hi)], hi, a, ids)
+        if self.use_anchors and n > 0:
+            self.retention.insert_anchors(ids, n, path, branches, [*anchors, *extra])
         if finished and self.retain_policy == "eager":
             end = prompt_len if prompt_len is not None else len(ids)
             self.evictor.trim_head(path, max(end - self.window - self.swa_retain_tokens, 0) // P)

@@ -7,7 +7,7 @@ Positions are absolute page indices along the node's root path: a node covers pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from swaserve.engine.kvcache.base import CacheHandle
 
@@ -92,6 +92,18 @@ def common_pages(ids: list[int], off: int, tokens: list[int], page_size: int, ma
         else:
             hi = mid
     return lo
+
+
+def deepest_reuse_end(swa: Sequence[int | None], k: int, page_size: int, window: int) -> int:
+    """Largest k' <= k whose window pages (those of [k' * page_size - window, k' * page_size)) are all live
+    in `swa` (SWA page ids along a root path, None where evicted)."""
+    while k > 0:
+        seg = list(swa[max(0, k * page_size - window) // page_size:k])
+        if None not in seg:
+            return k
+        seg.reverse()
+        k = k - 1 - seg.index(None)  # the deepest hole; any reuse point must end at or before it
+    return 0
 
 
 def path_ranges(node: Node, lo: int, hi: int) -> Iterator[tuple[Node, int, int]]:

@@ -19,16 +19,38 @@ window records the interval since its last use. A new anchor takes the history o
 path had before (a conversation's new turn continues the previous turn's rhythm), and an evicted
 anchor leaves a ghost (keyed by a hash of its token prefix) so that the window, once recomputed and
 anchored again, starts with its interval known.
+
+Anchors the cache finds without message starts (a raw-prompt client), besides prompt ends, sequence ends
+and branch points: every page boundary of recent prompts and inserts is remembered (`seen`, keyed like
+the anchors), so a prompt that shares more with an earlier sequence than the tree still holds (its KV
+was evicted) leaves
+a ghost at the boundary d where it leaves that sequence (or marks the ghost there): branched unless the
+earlier sequence ended at d.
+An insert re-creates the anchor of every ghost on its path, so an evicted window, once recomputed, is
+anchored again with its reuse interval known (the interval since d was last passed, for a new ghost).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from swaserve.engine.kvcache.radix.node import Anchor, Node, path_ranges
 
 MAX_GHOSTS = 1 << 16  # remembered evicted anchors (a few MB at most)
+MAX_SEEN = 1 << 17  # remembered page boundaries of recent prompts and inserts (~20 MB at most)
+
+
+def prefix_keys(ids: Sequence[int], page_size: int, n: int) -> list[int]:
+    """[n + 1] keys[j]: a hash of the token prefix ids[:j * page_size] (a chain over the pages; a collision
+    can only misplace a retention decision, never the KV a match returns)."""
+    keys = [0] * (n + 1)
+    h = 0
+    for j in range(n):
+        h = hash((h, *ids[j * page_size:(j + 1) * page_size]))
+        keys[j + 1] = h
+    return keys
 
 
 def evict_key(anchor: Anchor, node: Node, hi: int, now: int) -> tuple[int, int, int, int]:
@@ -46,8 +68,8 @@ class Retention:
     eviction gives their windows up (module docstring).
 
     Reads the nodes handed to it. Changes of a node only `anchors` (and the Anchor objects in it),
-    `protect_counts` and `anchored`; its own state is the match clock and the ghosts. The geometry is fixed
-    at construction (the cache's page_size, window and swa_retain_tokens)."""
+    `protect_counts` and `anchored`; its own state is the match clock, the ghosts and the page boundaries
+    seen. The geometry is fixed at construction (the cache's page_size, window and swa_retain_tokens)."""
 
     def __init__(self, page_size: int, window: int, retain_tokens: int):
         self.page_size = page_size
@@ -60,6 +82,8 @@ class Retention:
         self.clock = 0  # match() calls so far (the cache counts them): the time unit of the reuse history
         # evicted anchors: key -> (last use, interval, branched)
         self.ghosts: OrderedDict[int, tuple[int, int | None, bool]] = OrderedDict()
+        # page boundaries of recent prompts and inserts: key -> (clock last passed, a sequence ended there)
+        self.seen: OrderedDict[int, tuple[int, bool]] = OrderedDict()
 
     # ---- protection ---------------------------------------------------------------------------
     def _protect(self, node: Node, lo: int, hi: int, d: int) -> None:
@@ -68,9 +92,9 @@ class Retention:
             if d > 0:
                 nd.anchored[a:b] = b"\x01" * (b - a)
 
-    def add_anchor(self, node: Node, hi: int, a: int, ids: Sequence[int], branch: bool = False) -> None:
+    def add_anchor(self, node: Node, hi: int, a: int, key: int, branch: bool = False) -> None:
         """Anchor at token offset a on node (start_page < hi <= end_page): protect pages [lo, hi).
-        branch: requests diverge at hi (a radix branch point)."""
+        key: prefix_keys(...)[hi]. branch: requests diverge at hi (a radix branch point)."""
         P = self.page_size
         core_lo = max(0, (a // P) * P - self.window) // P
         lo = max(0, (a // P) * P - self.window - self.retain_tokens) // P
@@ -82,7 +106,6 @@ class Retention:
             old.core_lo = min(old.core_lo, core_lo)
             old.branched |= branch
             return
-        key = hash(tuple(ids[:hi * P]))
         now = self.clock
         ghost = self.ghosts.pop(key, None)
         interval: int | None = None
@@ -126,11 +149,55 @@ class Retention:
         """Remove an anchor (its protection too) and remember it as a ghost."""
         an = node.anchors.pop(hi)
         self._protect(node, an.lo, hi, -1)
-        self.ghosts[an.key] = (an.last_use, an.interval, an.branched)
-        self.ghosts.move_to_end(an.key)
+        self._ghost(an.key, (an.last_use, an.interval, an.branched))
+        return an
+
+    def _ghost(self, key: int, ghost: tuple[int, int | None, bool]) -> None:
+        self.ghosts[key] = ghost
+        self.ghosts.move_to_end(key)
         if len(self.ghosts) > MAX_GHOSTS:
             self.ghosts.popitem(last=False)
-        return an
+
+    # ---- anchors found without message starts ----------------------------------------------------
+    def learn(self, keys: list[int], depth: int, n: int) -> None:
+        """match(): a prompt of n reusable page boundaries (keys: its prefix_keys) whose full KV the tree
+        holds up to page `depth`. The deepest boundary d in (depth, n) an earlier prompt or insert passed is
+        where this prompt leaves that sequence: a ghost there (module docstring). Then remember its
+        boundaries."""
+        seen = self.seen
+        for d in range(n - 1, depth, -1):
+            got = seen.get(keys[d])
+            if got is not None:
+                ghost = self.ghosts.get(keys[d])
+                if ghost is None:
+                    self._ghost(keys[d], (got[0], None, not got[1]))
+                elif not got[1]:  # an evicted anchor where two sequences part: a branch point
+                    self.ghosts[keys[d]] = (ghost[0], ghost[1], True)
+                break
+        self.mark(keys, n)
+
+    def insert_anchors(self, ids: list[int], n: int, path: list[Node], branches: list[Node],
+                       offsets: list[int]) -> None:
+        """insert() of ids[:n * page_size] along `path` (its nodes, root excluded): anchor the branch points
+        (the ends of `branches`), the ghosts on the path and the token offsets; remember its boundaries."""
+        P = self.page_size
+        keys = prefix_keys(ids, P, n)
+        for nd in branches:
+            self.add_anchor(nd, nd.end_page, nd.end_page * P, keys[nd.end_page], branch=True)
+        ends = [nd.end_page for nd in path]
+        for hi, a in [(j, j * P) for j in range(1, n + 1) if keys[j] in self.ghosts] + \
+                [(min(-(-a // P), n), a) for a in offsets if 0 < a <= len(ids)]:
+            self.add_anchor(path[bisect.bisect_left(ends, hi)], hi, a, keys[hi])
+        self.mark(keys, n)
+
+    def mark(self, keys: list[int], n: int) -> None:
+        """Remember page boundaries 1..n of a sequence passed now (it ends at n)."""
+        seen, now = self.seen, self.clock
+        for j in range(1, n + 1):
+            seen[keys[j]] = (now, j == n)
+            seen.move_to_end(keys[j])
+        while len(seen) > MAX_SEEN:
+            seen.popitem(last=False)
 
     def forget_after(self, node: Node, cut: int) -> None:
         """Forget node's anchors that end after page cut (the pages there are being dropped)."""

@@ -3,8 +3,10 @@
 Anchors are keyed by the token prefix they end (tuple(ids[:hi * P])); the tree is the reference's
 page map (prefix key -> [full, swa]). Everything is recomputed from those keys: which prefix is a
 branch, which anchor a new one inherits from, which anchors are redundant, the retention order,
-the reuse credit of a match, the ghosts of dropped anchors. Node recency and the remembered evicted
-continuations (lost keys) are read from the cache, the rest is predicted and compared.
+the reuse credit of a match, the ghosts of dropped anchors, the anchors found without message starts
+(ghosts where a prompt leaves a sequence seen before, by the page boundaries of every prompt and insert
+so far, and their re-creation on insert). Node recency and the remembered evicted continuations (lost
+keys) are read from the cache, the rest is predicted and compared.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class AnchorModel:
         self.state = state  # the reference's page map, shared
         self.anchors: dict[Key, list[Any]] = {}  # key -> [lo, core_lo, branched, last_use, interval, recency]
         self.ghosts: dict[Key, tuple[int, int | None, bool]] = {}
+        self.seen: dict[Key, tuple[int, bool]] = {}  # boundary prefix -> (clock last passed, ended there)
         self.clock = 0
         self.lost: dict[Key, set[Key]] = {}  # read from the cache
 
@@ -95,19 +98,36 @@ class AnchorModel:
         """Clock tick; credit the shallowest anchor in [k, full-match depth] covering the window of k."""
         P = self.P
         self.clock += 1
-        if k == 0:
-            return
         max_pages = (len(ids) - 1) // P
+        if max_pages <= 0:
+            return
         f = 0
         while f < max_pages and tuple(ids[:(f + 1) * P]) in self.state:
             f += 1
         ws = max(0, k * P - self.W) // P
         for hi in range(k, f + 1):
-            an = self.anchors.get(tuple(ids[:hi * P]))
+            an = self.anchors.get(tuple(ids[:hi * P])) if k else None
             if an is not None and an[0] <= ws:
                 if self.clock > an[3]:
                     an[4], an[3] = self.clock - an[3], self.clock
-                return
+                break
+        if not self.c.use_anchors:
+            return
+        for d in range(max_pages - 1, f, -1):  # it leaves a sequence seen before at d
+            got = self.seen.get(tuple(ids[:d * P]))
+            if got is not None:
+                key = tuple(ids[:d * P])
+                g = self.ghosts.get(key)
+                if g is None:
+                    self.ghosts[key] = (got[0], None, not got[1])
+                elif not got[1]:
+                    self.ghosts[key] = (g[0], g[1], True)
+                break
+        self.mark(ids, max_pages)
+
+    def mark(self, ids: Sequence[int], n: int) -> None:
+        for j in range(1, n + 1):
+            self.seen[tuple(ids[:j * self.P])] = (self.clock, j == n)
 
     def on_insert(self, ids: list[int], new_keys: list[Key], anchors: Sequence[int], prompt_len: int | None,
                   finished: bool) -> None:
@@ -125,14 +145,20 @@ class AnchorModel:
             if p > 0 and (others or (lost and new_keys[0][p * P:] not in lost)):
                 branch = p
             lost.discard(new_keys[0][p * P:])  # that continuation is back
+        if n == 0:
+            return
         if branch is not None:
             self.add(ids, branch, branch * P, branch=True)
+        ghosts = [j for j in range(1, n + 1) if tuple(ids[:j * P]) in self.ghosts]  # evicted anchors
+        for j in ghosts:
+            self.add(ids, j, j * P)
         ends = [a for a in anchors] + ([prompt_len] if prompt_len is not None else [])
         if finished:
             ends.append(len(ids))
         for a in ends:
-            if 0 < a <= len(ids) and n > 0:
+            if 0 < a <= len(ids):
                 self.add(ids, min(-(-a // P), n), a)
+        self.mark(ids, n)
 
     def add(self, ids: list[int], hi: int, a: int, branch: bool = False) -> None:
         P = self.P
@@ -201,5 +227,6 @@ class AnchorModel:
     def reset(self) -> None:
         self.anchors.clear()
         self.ghosts.clear()
+        self.seen.clear()
         self.lost.clear()
         self.clock = 0
