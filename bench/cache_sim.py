@@ -24,7 +24,9 @@ pages), so a row's `swa_pool_windows` names its memory, not a fixed split. Polic
 eager-16+tier, eager-512+tier) are X with a second tier (engine/kvcache/tier/index.py) large enough for every
 page of the trace: the pages a later request can use (engine/kvcache/tier/demotion.py) are written to it when
 evicted or trimmed and promoted back at admission (its records are the fake model's KV, so --check covers
-them); the JSON rows then count the pages written per kind.
+them); the JSON rows then count the pages written per kind. `--kv-dtype bf16,q8_0` runs every row once per
+KV storage type at the same bytes: a row's windows name bf16 windows, and a type of fewer bytes a value
+holds that many more pages (q8_0: 2 / 1.0625 = 1.88x, running requests' pages included).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from swaserve.bench.cache_units import (
     KV_BYTES_PER_TOKEN,
     ROOMY,
     describe,
+    kv_page_scale,
     pages_for_memory,
     parse_choices,
     parse_gib,
@@ -77,7 +80,8 @@ class Geometry:
     arena: bool = False  # both kinds carved from one arena of the same bytes (the engine's layout)
     full_per_block: int = 10  # full pages per arena block (Gemma 4: an SWA token costs 10 full tokens)
     tier_blocks: int | None = None  # X+tier: the tier's blocks (None: enough for the whole trace)
-    kv_type: str = "bf16"  # the KV storage type a pool size in GiB is counted in (bench/cache_units.py)
+    kv_dtype: str = "bf16"  # the pages' type: --windows N is N bf16 windows' bytes, a GiB size this type's
+    page_scale: float = 1.0  # pages of kv_dtype in the bytes of one bf16 page (kv_page_scale)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Row:
     memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
     tier: dict[str, Any] | None = None  # X+tier: the tier's counters at the end
     pool: dict[str, float] = field(default_factory=dict)  # cache_units.describe: total windows, GiB
+    kv_dtype: str = "bf16"
 
     @property
     def ratio(self) -> float:
@@ -103,7 +108,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "policy": self.policy, "memory": self.memory,
-                "swa_pool_windows": self.swa_pool_windows, **self.pool,
+                "kv_dtype": self.kv_dtype, "swa_pool_windows": self.swa_pool_windows, **self.pool,
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
@@ -192,20 +197,21 @@ def running_pages(geo: Geometry) -> int:
 
 
 def pool_pages(trace: Sequence[TraceRequest], windows: int | str, geo: Geometry) -> tuple[int, int]:
-    """(full pages, SWA pages): an SWA pool that holds `windows` windows of cache besides what the
-    running requests need, and a full pool of full_per_swa times as many tokens; "<G>GiB": split pools of
-    G GiB of geo.kv_type KV in all (what --kv-cache-memory-gb gives); or a roomy pair."""
+    """(full pages, SWA pages): an SWA pool of the bytes of `windows` bf16 windows of cache besides what the
+    running requests need (in pages of geo.kv_dtype: times geo.page_scale), and a full pool of full_per_swa
+    times as many tokens; "<G>GiB": split pools of G GiB of geo.kv_dtype KV in all (what
+    --kv-cache-memory-gb gives); or a roomy pair."""
     if windows == ROOMY:
         total = sum(len(r.prompt) + len(r.answer) for r in trace) // geo.page_size + 1024
         return total, total
     if isinstance(windows, str) and windows.endswith(GIB_SUFFIX):
         full, swa = pages_for_memory(float(windows.removesuffix(GIB_SUFFIX)), geo.page_size, geo.full_per_swa,
-                                     geo.kv_type)
+                                     geo.kv_dtype)
         if swa < running_pages(geo):
-            raise ValueError(f"{windows} of {geo.kv_type} KV cannot hold {geo.concurrency} running windows "
+            raise ValueError(f"{windows} of {geo.kv_dtype} KV cannot hold {geo.concurrency} running windows "
                              f"and a chunk ({running_pages(geo)} SWA pages of {geo.page_size} tokens)")
         return full, swa
-    swa = int(windows) * geo.window // geo.page_size + running_pages(geo)
+    swa = int((int(windows) * geo.window // geo.page_size + running_pages(geo)) * geo.page_scale)
     return geo.full_per_swa * swa, swa
 
 
@@ -288,7 +294,8 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
                seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
-               memory="arena" if geo.arena else "split", tier=tier.stats() if tier is not None else None)
+               memory="arena" if geo.arena else "split", tier=tier.stats() if tier is not None else None,
+               kv_dtype=geo.kv_dtype)
 
 
 def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequence[int | str], geo: Geometry,
@@ -313,22 +320,24 @@ def run_table(workloads: Sequence[str], policies: Sequence[str], windows: Sequen
 
 def format_table(rows: Sequence[Row], policies: Sequence[str]) -> str:
     """One line per (workload, pool): each policy's ratio to keep-everything (reused tokens in brackets)."""
-    head = f"{'workload':11s} {'windows':>7s} {'total':>6s} {'GiB bf16':>8s} {'q8_0':>6s}  " + \
+    head = f"{'workload':11s} {'windows':>10s} {'total':>6s} {'GiB bf16':>8s} {'q8_0':>6s}  " + \
         "  ".join(f"{p:>18s}" for p in policies)
     lines = [head, "-" * len(head)]
     by_key: dict[tuple[str, str], dict[str, Row]] = {}
+    several = len({r.kv_dtype for r in rows}) > 1  # windows column: "4 q8_0" (bf16 windows' bytes)
     uppers: dict[str, Row] = {}
     for r in rows:
         if r.policy == KEEP_EVERYTHING:
             uppers[r.workload] = r
         else:
-            by_key.setdefault((r.workload, str(r.swa_pool_windows)), {})[r.policy] = r
+            win = f"{r.swa_pool_windows} {r.kv_dtype}" if several else str(r.swa_pool_windows)
+            by_key.setdefault((r.workload, win), {})[r.policy] = r
     for (w, win), cells in by_key.items():
         vals = [f"{cells[p].ratio:6.3f} ({cells[p].reused_tokens:>7d})" if p in cells else f"{'-':>18s}"
                 for p in policies]
         u = next(iter(cells.values())).pool
         units = f"{u['total_windows']:6.1f} {u['gib_bf16']:8.2f} {u['gib_q8_0']:6.2f}"
-        lines.append(f"{w:11s} {win:>7s} {units}  " + "  ".join(vals))
+        lines.append(f"{w:11s} {win:>10s} {units}  " + "  ".join(vals))
     lines.append("")
     lines.append("windows: of cache beyond the running requests' (or a --kv-cache-memory-gb size); total: "
                  "the SWA pool's windows, running ones included; GiB: gemma-4-26B-A4B KV of those pools, "
@@ -349,12 +358,14 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=parse_gib, default=[],
                    help="more pool sizes, in GiB of gemma-4-26B-A4B KV in all (split pools, full tokens 4x "
                         "SWA tokens), comma-separated: what the engine's --kv-cache-memory-gb gives")
-    p.add_argument("--kv-cache-dtype", choices=sorted(KV_BYTES_PER_TOKEN), default="bf16",
-                   help="the KV type --kv-cache-memory-gb counts in (default bf16)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     p.add_argument("--arena", action="store_true",
                    help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
                         "full pages)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype",
+                   type=lambda s: parse_choices(s, tuple(KV_BYTES_PER_TOKEN), "--kv-dtype"),
+                   default=["bf16"], help="KV types of the pages, comma-separated (default bf16): a "
+                   "--windows size is bf16 windows' bytes, a --kv-cache-memory-gb size GiB of each type")
     p.add_argument("--check", action="store_true",
                    help="verify every KV read of the fake model and the cache invariants after every step")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
@@ -376,9 +387,12 @@ def run_cache(args: argparse.Namespace) -> int:
     error = _flag_error(args)
     if error is not None:
         raise ValueError(error)
-    geo = Geometry(concurrency=args.concurrency, arena=args.arena, kv_type=args.kv_cache_dtype)
-    sizes = [*args.windows, *args.kv_cache_memory_gb]
-    rows = run_table(args.workload, args.policy, sizes, geo, check=args.check, progress=not args.json)
+    rows = []
+    for kv in args.kv_dtype:
+        geo = Geometry(concurrency=args.concurrency, arena=args.arena, kv_dtype=kv,
+                       page_scale=kv_page_scale(kv))
+        rows += run_table(args.workload, args.policy, [*args.windows, *args.kv_cache_memory_gb], geo,
+                          check=args.check, progress=not args.json)
     if args.json:
         for r in rows:
             print(json.dumps(r.to_json()))

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 # K and V bytes of one token of gemma-4-26B-A4B (full layers, sliding layers) per KV storage type: 5 full
 # layers of 2 KV heads x 512, 25 sliding layers of 8 KV heads x 256; q8_0 = 34 bytes per 32 values
 # (engine/attention/kv_pool.py bytes_per_token; tests/bench/test_cache_units.py checks them against it)
-KV_BYTES_PER_TOKEN: dict[str, tuple[int, int]] = {"bf16": (20480, 204800), "q8_0": (10880, 108800)}
+KV_BYTES_PER_TOKEN: dict[str, tuple[int, int]] = {"bf16": (20480, 204800), "fp16": (20480, 204800),
+                                                   "fp32": (40960, 409600), "q8_0": (10880, 108800)}
+SHOWN = ("bf16", "q8_0")  # the GiB columns every row prints
 GIB = 1 << 30
 ROOMY = "roomy"  # a pool that holds every trace's KV
 GIB_SUFFIX = "GiB"  # a pool size "<G>GiB" (--kv-cache-memory-gb)
@@ -40,7 +42,12 @@ def describe(full_pages: int, swa_pages: int, page_size: int, window: int) -> di
     """The pool in a user's units: total windows, GiB of bf16 and of q8_0 KV."""
     return {"total_windows": round(swa_pages * page_size / window, 2),
             **{f"gib_{t}": round(pool_bytes(full_pages, swa_pages, page_size, t) / GIB, 3)
-               for t in KV_BYTES_PER_TOKEN}}
+               for t in SHOWN}}
+
+
+def kv_page_scale(kv_type: str) -> float:
+    """Pages of kv_type in the bytes of one bf16 page (bf16 and fp16 1, fp32 0.5, q8_0 2 / 1.0625)."""
+    return KV_BYTES_PER_TOKEN["bf16"][1] / KV_BYTES_PER_TOKEN[kv_type][1]
 
 
 def parse_windows(text: str) -> list[int | str]:

@@ -54,7 +54,8 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                    help="swaserve's KV pools in GB (default 4: enough for 8 streams of 26b-a4b, 32 of small; "
                         "the engine's own default, a share of free memory, does not leave room for a peer)")
     p.add_argument("--kv-dtype", default="auto",
-                   help="swaserve's KV dtype: auto (fp32 on CPU), bf16, fp16, q8_0")
+                   help="swaserve's KV dtypes, comma-separated (one run each, columns side by side): auto "
+                        "(fp16 on CPU), bf16, fp16, fp32, q8_0")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine before it is stopped")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -63,7 +64,7 @@ def _common(args: argparse.Namespace) -> list[str]:
     return ["--gguf", args.gguf, "--threads", str(args.threads), "--prompt-len", str(args.prompt_len),
             "--gen", str(args.gen), "--streams", args.streams, "--stream-prompt-len",
             str(args.stream_prompt_len), "--stream-gen", str(args.stream_gen), "--reps", str(args.reps),
-            "--kv-gb", str(args.kv_gb), "--kv-dtype", args.kv_dtype]
+            "--kv-gb", str(args.kv_gb)]
 
 
 def _run(name: str, cmd: list[str], timeout: float) -> dict | None:
@@ -134,11 +135,15 @@ def run_speed(args: argparse.Namespace) -> int:
             got = _run("llama.cpp", [args.peer_python, str(_PEER_SCRIPT), *_common(args)], args.timeout)
             if got is not None:
                 results["llama.cpp"] = got
+    kvs = [k for k in args.kv_dtype.split(",") if k]
     for mode in [m for m in args.modes.split(",") if m]:
-        cmd = [sys.executable, "-m", "swaserve.bench.speed_worker", "--cpu-matmul", mode, *_common(args)]
-        got = _run(f"swaserve {mode}", cmd, args.timeout)
-        if got is not None:
-            results[f"swaserve {mode}"] = got
+        for kv in kvs:
+            name = f"swaserve {mode}" + (f" {kv}" if len(kvs) > 1 else "")
+            cmd = [sys.executable, "-m", "swaserve.bench.speed_worker", "--cpu-matmul", mode, *_common(args),
+                   "--kv-dtype", kv]
+            got = _run(name, cmd, args.timeout)
+            if got is not None:
+                results[name] = got
     if not results:
         print("error: no engine produced a result", file=sys.stderr)
         return 1

@@ -72,6 +72,16 @@ class PoolPlan:
                 f"tokens or {self.num_blocks * page_size} SWA tokens, or any mix{cap}, "
                 f"{self.kv_format.name} ({full_b} / {swa_b} bytes per full / SWA token)")
 
+    def windows(self, page_size: int, cfg: ModelConfig) -> str:
+        """The start-up line of what a sliding window costs in this KV type: bytes per token of each kind,
+        one window's MiB, windows per GiB and in the arena (all blocks SWA)."""
+        full_b, swa_b = bytes_per_token(cfg, self.kv_format)
+        window = cfg.sliding_window * swa_b  # bytes of one window over every sliding layer
+        held = self.swa_cap * page_size / cfg.sliding_window
+        return (f"{self.kv_format.name} stores {full_b} bytes per full token, {swa_b} per SWA token; one "
+                f"{cfg.sliding_window}-token sliding window costs {window / 2**20:.1f} MiB: "
+                f"{2**30 / window:.1f} windows per GiB, {held:.1f} in this arena")
+
 
 def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> int:
     """SWA pages needed so that every running request can hold its window and one chunk can run."""
@@ -183,6 +193,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         for t in pool.tensors():
             t.fill_(0)
     log.info("KV memory: %s", plan.describe(P, model_cfg))
+    log.info("KV windows: %s", plan.windows(P, model_cfg))
     # prompt logprobs: as many all-vocabulary logit rows at a time as a full sampling step (the peak step)
     runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device,
                          logprob_rows=sched_cfg.max_running_requests + 1)

@@ -19,6 +19,14 @@ from swaserve.engine.config import CacheConfig
 Q8_BLOCK = 32  # values per q8_0 block
 Q8_BLOCK_BYTES = 34  # fp16 scale + 32 int8
 FLAG = "--kv-cache-dtype"
+# what `auto` stores per device type: fp16 on CPU (the most accurate 2-byte type; its forced-sequence
+# error is within llama.cpp's own -ctk/-ctv f16 one: docs/benchmarks.md, KV accuracy), bf16 on CUDA
+AUTO = {"cpu": "fp16", "cuda": "bf16"}
+
+
+def auto_type(device: torch.device) -> str:
+    """The KV type `--kv-cache-dtype auto` names on `device` (fp16 on CPU and elsewhere, bf16 on CUDA)."""
+    return AUTO.get(device.type, AUTO["cpu"])
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,9 @@ def as_format(kv: KVFormat | torch.dtype) -> KVFormat:
 
 
 def kv_format(name: str, device: torch.device, k: str | None = None, v: str | None = None) -> KVFormat:
-    """The format `--kv-cache-dtype name` (auto: bf16 on CUDA, fp32 elsewhere) with the optional per-side
+    """The format `--kv-cache-dtype name` (auto: auto_type) with the optional per-side
     `--kv-cache-dtype-k` / `--kv-cache-dtype-v` overrides; ValueError naming the flag for a bad value."""
-    base = ("bf16" if device.type == "cuda" else "fp32") if name == "auto" else name
+    base = auto_type(device) if name == "auto" else name
     sides = []
     for flag, side in ((FLAG, base), (FLAG + "-k", k or base), (FLAG + "-v", v or base)):
         if side not in KV_TYPES:

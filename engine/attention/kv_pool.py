@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from swaserve.engine.attention.kv_format import KV_TYPES, KVFormat, as_format
+from swaserve.engine.attention.kv_format import KV_TYPES, KVFormat, as_format, auto_type
 from swaserve.engine.config import ModelConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve_kv_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of a float KV type name (auto: bf16 on CUDA, fp32 elsewhere); see
+    """The torch dtype of a float KV type name (auto: kv_format.auto_type, fp16 on CPU, bf16 on CUDA); see
     kv_format.kv_format for every type."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        name = auto_type(device)
     if name not in _DTYPES:
         raise ValueError(f"unknown float kv cache dtype {name!r} (choose auto, bf16, fp16 or fp32)")
     return _DTYPES[name]

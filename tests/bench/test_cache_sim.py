@@ -15,7 +15,9 @@ from swaserve.bench.cache_sim import (
     NO_MESSAGE_ANCHORS,
     POLICIES,
     Geometry,
+    kv_page_scale,
     main,
+    pool_pages,
     run_table,
     simulate,
 )
@@ -86,10 +88,34 @@ def test_command_line_json(capsys) -> None:
     assert rows[1]["swa_pool_windows"] == 16 and rows[1]["ratio"] >= 0.95
 
 
+def test_q8_0_pages_at_the_same_bytes(capsys) -> None:
+    """--kv-dtype: the bytes of N bf16 windows hold 2 / 1.0625 as many q8_0 pages, and on a trace under
+    pressure the extra windows reuse at least what bf16 reuses; the JSON rows name their type."""
+    assert kv_page_scale("bf16") == kv_page_scale("fp16") == 1.0 and kv_page_scale("fp32") == 0.5
+    assert kv_page_scale("q8_0") == pytest.approx(2 / 1.0625)
+    q8 = Geometry(page_size=4, window=64, chunk=128, kv_dtype="q8_0", page_scale=kv_page_scale("q8_0"))
+    trace = make_trace("mixed-rr", SMALL)[:60]
+    full_b, swa_b = pool_pages(trace, 2, SMALL_GEO)
+    full_q, swa_q = pool_pages(trace, 2, q8)
+    assert swa_q == int(swa_b * 2 / 1.0625) and full_q == 4 * swa_q
+    assert pool_pages(trace, "roomy", q8) == pool_pages(trace, "roomy", SMALL_GEO)
+    for windows in (1, 2):
+        bf = simulate("mixed-rr", trace, "lazy", windows, SMALL_GEO)
+        q = simulate("mixed-rr", trace, "lazy", windows, q8, check=True)
+        assert q.kv_dtype == "q8_0" and q.reused_tokens >= bf.reused_tokens, (windows, q, bf)
+    assert main(["--json", "--workload", "multiturn", "--windows", "4", "--policy", "lazy",
+                 "--kv-dtype", "bf16,q8_0"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["kv_dtype"], r["policy"]) for r in rows] == [
+        ("bf16", KEEP_EVERYTHING), ("bf16", "lazy"), ("q8_0", KEEP_EVERYTHING), ("q8_0", "lazy")]
+    assert rows[3]["ratio"] >= rows[1]["ratio"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--workload", "nope"], "--workload: unknown nope"),
     (["--windows", "0"], "--windows: expected positive integers or 'roomy'"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
+    (["--kv-dtype", "q4_0"], "--kv-dtype: unknown q4_0"),
 ])
 def test_command_line_errors(capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as e:

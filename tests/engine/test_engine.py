@@ -150,7 +150,8 @@ def test_stream_holds_back_stop_prefix_and_aborts_free_pages(radix, prompts):
     async def main():
         async def consume(i, abort_after=None, params=None):
             pieces = []
-            agen = eng.generate(f"s{i}", prompts[i], params or greedy(30))
+            # EOS ignored: every unaborted stream runs to its 30 tokens whatever the KV type's greedy path
+            agen = eng.generate(f"s{i}", prompts[i], params or greedy(30, ignore_eos=True))
             n = 0
             async for out in agen:
                 pieces.append(out)

@@ -22,8 +22,10 @@ from swaserve.llm import LLM
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # exact CPU matmuls: the Triton linears take fp32 activations, native would quantize them to 8 bits
-    return LLM(attention_backend="triton", moe_backend="triton", chunked_prefill_size=48, cpu_matmul="exact")
+    # exact CPU matmuls: the Triton linears take fp32 activations, native would quantize them to 8 bits;
+    # fp32 KV (not the fp16 default): the two paths' last-bit-different K/V would round to different halves
+    return LLM(attention_backend="triton", moe_backend="triton", chunked_prefill_size=48, cpu_matmul="exact",
+               kv_cache_dtype="fp32")
 
 
 def test_fused_forward_matches_reference(llm):

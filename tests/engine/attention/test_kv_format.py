@@ -13,8 +13,14 @@ from hypothesis import strategies as st
 
 from swaserve.engine.args import add_engine_args, engine_config_from_args
 from swaserve.engine.attention.base import store_kv
-from swaserve.engine.attention.kv_format import KV_TYPES, KVFormat, kv_format, kv_format_of
-from swaserve.engine.attention.kv_pool import ArenaKVPool, KVPool, arena_geometry, bytes_per_token
+from swaserve.engine.attention.kv_format import KV_TYPES, KVFormat, auto_type, kv_format, kv_format_of
+from swaserve.engine.attention.kv_pool import (
+    ArenaKVPool,
+    KVPool,
+    arena_geometry,
+    bytes_per_token,
+    resolve_kv_dtype,
+)
 from swaserve.engine.builder import plan_kv_pools
 from swaserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from swaserve.engine.quant.kv_quant import decode, encode
@@ -54,6 +60,13 @@ def test_memory_budget_holds_about_twice_the_fp16_tokens() -> None:
     assert abs(ratio - 2 / 1.0625) < 0.01, ratio  # 2 bytes a value against 34 / 32
     assert plans["q8_0"].dtype == torch.uint8 and plans["q8_0"].block_bytes == 16 * 108800
     assert "q8_0 (10880 / 108800 bytes per full / SWA token)" in plans["q8_0"].describe(16, GEMMA)
+    # the start-up line: a 26B-A4B window is 200 MiB of fp16, 106.25 MiB of q8_0 (1.88x the windows)
+    assert plans["fp16"].windows(16, GEMMA).startswith(
+        "fp16 stores 20480 bytes per full token, 204800 per SWA token; one 1024-token sliding window costs "
+        "200.0 MiB: 5.1 windows per GiB, ")
+    line = plans["q8_0"].windows(16, GEMMA)
+    assert "costs 106.2 MiB: 9.6 windows per GiB" in line
+    assert line.endswith(f"{plans['q8_0'].swa_cap * 16 / 1024:.1f} in this arena")
 
 
 def _parse(*argv: str) -> CacheConfig:
@@ -68,11 +81,19 @@ def test_flags_and_per_side_types() -> None:
     c = _parse("--kv-cache-dtype", "q8_0", "--kv-cache-dtype-v", "fp16")
     assert kv_format_of(c, CPU) == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp16"])
     assert kv_format_of(c, CPU).name == "K q8_0 / V fp16"
-    c = _parse("--kv-cache-dtype-k", "q8_0")  # auto V: fp32 on CPU, bf16 on CUDA
-    assert kv_format_of(c, CPU) == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp32"])
+    c = _parse("--kv-cache-dtype-k", "q8_0")  # auto V: fp16 on CPU, bf16 on CUDA
+    assert kv_format_of(c, CPU) == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp16"])
     assert kv_format(c.kv_cache_dtype, torch.device("cuda"), "q8_0").v == KV_TYPES["bf16"]
     with pytest.raises(SystemExit):
         _parse("--kv-cache-dtype-v", "q4_0")
+
+
+def test_auto_is_fp16_on_cpu_and_fp32_stays_selectable() -> None:
+    """A bare `swaserve serve` on CPU stores fp16 KV (docs/benchmarks.md, KV accuracy); fp32 on request."""
+    assert kv_format_of(_parse(), CPU) == both("fp16") and auto_type(CPU) == "fp16"
+    assert kv_format("auto", torch.device("cuda")) == both("bf16")
+    assert kv_format_of(_parse("--kv-cache-dtype", "fp32"), CPU) == both("fp32")
+    assert resolve_kv_dtype("auto", CPU) == torch.float16
 
 
 def test_errors_name_the_flag() -> None:

@@ -87,7 +87,7 @@ def test_time_formats_refuse_leap_seconds_off_2359():
     """llguidance's own `time` format admits `00:45:60`, which RFC 3339 validators refuse (a leap second
     only at 23:59 UTC); the JSON path uses string_formats' expression, so random outputs validate."""
     for fmt in ("time", "date-time"):
-        schema = {"type": "object", "required": ["a"],
-                  "properties": {"a": {"type": "array", "items": {"type": "string", "format": fmt}, "minItems": 3}}}
+        items = {"type": "array", "items": {"type": "string", "format": fmt}, "minItems": 3}
+        schema = {"type": "object", "required": ["a"], "properties": {"a": items}}
         for seed in range(30):
             _check(schema, seed)
