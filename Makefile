@@ -13,14 +13,22 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	@touch $@
 
-.PHONY: setup serve test bench lint
+.PHONY: setup serve test test-slow test-all bench lint
 setup: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/swaserve serve $(ARGS)
 
+# The suite in two tiers (docs/testing.md): `test` is the fast tier, what to run while working; `test-slow`
+# the tests marked slow (tests/slow_tier.txt and @pytest.mark.slow); `test-all` both, one after the other,
+# as CI does (.ci/run).
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q -rs -m slow $(PYTEST_ARGS)
+
+test-all: test test-slow
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -144,8 +144,13 @@ def test_sigterm_drains_then_ends_open_responses_and_exits_0(serve: Any) -> None
     clients = _start_clients(url)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, "draining", 30)
-    assert_draining(url)
+    try:
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, "draining", 30)
+        assert_draining(url)
+    except httpx.ConnectError:
+        # the listener closes once the 3 s drain (and the flush) is over, and on a loaded machine these
+        # checks can come after that (a failure in 1 of 6 runs at load 19): refused before it is the bug
+        assert time.monotonic() - t0 >= 3, "connection refused during the drain"
     clients.join(60)
     assert proc.wait(60) == 0
     assert time.monotonic() - t0 >= 3  # they had their --shutdown-timeout
