@@ -60,7 +60,8 @@ def llm(request) -> LLM:
     """Chunks of 7 (boundaries off the 16-token pages), 16 (on them), 33, and the whole prompt at once;
     the LM head runs over 5 rows at a time, so slices split chunks too."""
     out = LLM(cache_type="radix", chunked_prefill_size=request.param, max_running_requests=4,
-              cpu_matmul="exact", cpu_threads=1)  # one thread: many tiny matmuls on a loaded machine
+              cpu_matmul="exact", cpu_threads=1,  # one thread: many tiny matmuls on a loaded machine
+              kv_cache_dtype="fp32")  # as the oracle's forward keeps its keys (the CPU default, fp16, is ~1e-3 off)
     out.engine.runner.logprob_rows = 5
     return out
 
@@ -122,7 +123,7 @@ def test_batch_of_different_ks_and_lengths(llm: LLM) -> None:
 
 def test_every_choice_gets_them() -> None:
     llm = LLM(cache_type="radix", chunked_prefill_size=32, max_running_requests=4, cpu_matmul="exact",
-              cpu_threads=1)
+              cpu_threads=1, kv_cache_dtype="fp32")
     ids = prompt(5, 50)
     outs = llm.generate([ids], SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=1, prompt_logprobs=1))
     ref = exact_logprobs(llm, ids)
