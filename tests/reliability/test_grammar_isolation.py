@@ -66,7 +66,9 @@ def test_a_big_schema_does_not_stall_other_streams(served):
     print(f"within: {len(raw) / 1e6:.2f} MB -> {status} in {secs:.1f} s; max gap {1e3 * max(gaps):.0f} ms "
           f"(idle max {1e3 * idle:.0f} ms, step {1e3 * step:.1f} ms)")
     assert len(gaps) >= 20, len(gaps)
-    assert max(gaps) <= 2 * idle + step, (max(gaps), idle, step)
+    # 2x idle + a step, with a 100 ms floor (the /health bound): with a 12 ms idle maximum a single OS
+    # preemption on 2 busy cores (40 ms, seen in CI) is not a stall; the stalls guarded against were 1.6-104 s
+    assert max(gaps) <= max(2 * idle + step, 0.1), (max(gaps), idle, step)
 
 
 @pytest.mark.parametrize("case,limit", [("schema", "size in bytes"), ("optional", "size in bytes"),

@@ -61,7 +61,7 @@ def llm(request) -> LLM:
     the LM head runs over 5 rows at a time, so slices split chunks too."""
     out = LLM(cache_type="radix", chunked_prefill_size=request.param, max_running_requests=4,
               cpu_matmul="exact", cpu_threads=1,  # one thread: many tiny matmuls on a loaded machine
-              kv_cache_dtype="fp32")  # as the oracle's forward keeps its keys (the CPU default, fp16, is ~1e-3 off)
+              kv_cache_dtype="fp32")  # the oracle keeps fp32 keys (the CPU default, fp16, is ~1e-3 off)
     out.engine.runner.logprob_rows = 5
     return out
 
