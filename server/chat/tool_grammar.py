@@ -40,7 +40,6 @@ _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 _BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
-
 _COMMON = r"""
 gstring: <|"|> GSTR <|"|>
 GSTR: /(?s:.*)/

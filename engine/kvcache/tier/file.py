@@ -68,6 +68,8 @@ def fingerprint(parts: Iterable[object]) -> bytes:
 
 
 HASH_CHUNK = 16 << 20  # bytes per hashlib update (it releases the GIL over each)
+SEGMENT = 1 << 30  # bytes per thread: segments are hashed in parallel (hashlib releases the GIL)
+PROGRESS_S = 1.0  # a hash taking longer shows a progress bar
 IDENTITY_FILE = "swaserve-kv.model-hash"  # beside the tier file: the last whole-file hash and the stat it had
 
 
@@ -101,10 +103,6 @@ def file_identity(path: str, cache_dir: str | os.PathLike | None = None) -> tupl
         except OSError as e:
             log.warning("KV offload tier: cannot keep the model hash in %s: %s", memo, e)
     return st.st_size, digest
-
-
-PROGRESS_S = 1.0  # a hash taking longer shows a progress bar
-SEGMENT = 1 << 30  # bytes per thread: segments are hashed in parallel (hashlib releases the GIL)
 
 
 def _hash_range(path: str, start: int, end: int, done: list[int], slot: int) -> bytes:
