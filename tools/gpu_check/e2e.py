@@ -53,32 +53,43 @@ def check_e2e(c: Ctx, S, B: int) -> list[Row]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     finite = bool(torch.isfinite(h).all())
-    err = _e2e_vs_torch(c, S, cfg, weights, model, ids[: min(64, L0)])
+    err = _e2e_vs_torch(c, S, cfg, weights, ids[: min(64, L0)])
     return [
         Row(
             f"e2e decode B={B}",
             f"{S.preset} ctx {L0}",
-            "ok" if finite and err <= 0.1 else "FAIL",
+            "ok" if finite and err <= (0.1 if c.cuda else 1e-3) else "FAIL",
             err,
             dt / steps * 1e3,
             None,
             f"{B * steps / dt:.1f} tok/s",
-            "ms = per decode step; random Q4_0; err = last-token logits vs torch backends",
+            "ms = per decode step; random Q4_0; err = last-token logits vs torch backends"
+            + ("" if c.cuda else " (fp32)"),
         )
     ]
 
 
-def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
-    """Relative max error of a prompt's last-token logits: triton backends vs torch backends."""
+def _e2e_vs_torch(c: Ctx, S, cfg, weights, ids) -> float:
+    """Relative max error of a prompt's last-token logits: triton backends vs torch backends.
+
+    On CPU (the interpreter smoke) both models run in fp32: in bf16 a near-tie in the random
+    router flips an expert choice between the two backends' roundings for about one seed in
+    thirty, and one flipped expert moves the logits past any tolerance that still catches a bug.
+    """
     torch = c.torch
     from swaserve.engine.attention.base import AttentionMetadata
     from swaserve.engine.attention.kv_pool import KVPool
     from swaserve.engine.attention.torch_backend import TorchAttentionBackend
+    from swaserve.engine.attention.triton_backend import TritonAttentionBackend
     from swaserve.engine.moe.torch_backend import TorchMoE
+    from swaserve.engine.moe.triton_backend import TritonMoE
     from swaserve.models.gemma4 import Gemma4Model
 
+    dt = torch.bfloat16 if c.cuda else torch.float32
+    model = Gemma4Model(cfg, weights, TritonAttentionBackend(), TritonMoE(cfg, weights.experts, c.dev), c.dev,
+                        dtype=dt)
     ref = Gemma4Model(cfg, weights, TorchAttentionBackend(), TorchMoE(cfg, weights.experts, c.dev), c.dev,
-                      dtype=torch.bfloat16)
+                      dtype=dt)
     n, P = ids.numel(), S.page_size
     pages = -(-n // P)
     pt = torch.arange(pages).view(1, pages)
@@ -87,7 +98,7 @@ def _e2e_vs_torch(c: Ctx, S, cfg, weights, model, ids) -> float:
     meta = AttentionMetadata(P, cfg.sliding_window, [n], [0], pos, slots, slots, pt, pt).to(c.dev)
 
     def last_logits(m) -> Any:
-        pool = KVPool(cfg, pages, pages, P, torch.bfloat16, c.dev)
+        pool = KVPool(cfg, pages, pages, P, dt, c.dev)
         return m.logits(m.forward(ids, meta, pool)[-1:])
 
     return rel_err(last_logits(model), last_logits(ref))
