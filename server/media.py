@@ -23,6 +23,7 @@ import io
 import os
 import re
 import stat
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -247,8 +248,7 @@ def make_fetch(policy: MediaPolicy) -> Fetch:
 
     opener = urllib.request.build_opener(_Redirects)
 
-    def fetch(url: str, timeout_s: float, max_bytes: int) -> bytes:
-        deadline = time.monotonic() + timeout_s
+    def fetch_blocking(url: str, timeout_s: float, max_bytes: int, deadline: float) -> bytes:
         req = urllib.request.Request(url, headers={"User-Agent": "swaserve", "Accept": "image/*"})
         try:
             with opener.open(req, timeout=timeout_s) as resp:
@@ -256,21 +256,41 @@ def make_fetch(policy: MediaPolicy) -> Fetch:
                 if length and length.strip().isdigit() and int(length) > max_bytes:
                     raise MediaError(_too_big(int(length), policy), "")
                 buf = bytearray()
-                while True:
-                    if time.monotonic() > deadline:
-                        raise MediaError(f"fetching the image took longer than {timeout_s:g} s", "")
-                    chunk = resp.read(_CHUNK)
+                while time.monotonic() < deadline:
+                    chunk = resp.read1(_CHUNK)  # read1: one recv, so a slow drip meets the deadline
                     if not chunk:
                         return bytes(buf)
                     buf += chunk
                     if len(buf) > max_bytes:
                         raise MediaError(f"image is too large: over {max_bytes} bytes", "")
+                raise MediaError(f"fetching the image took longer than {timeout_s:g} s", "")
         except urllib.error.HTTPError as e:
             raise MediaError(f"fetching the image URL failed: HTTP {e.code}", "") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, MediaError):
                 raise e.reason from None
             raise MediaError(f"could not fetch the image URL: {e.reason}", "") from None
+
+    def fetch(url: str, timeout_s: float, max_bytes: int) -> bytes:
+        # urllib's timeout is per socket operation (and DNS has none): a watchdog thread bounds the
+        # whole fetch; a fetch past it is abandoned (a daemon thread, ended by its own socket timeouts)
+        deadline = time.monotonic() + timeout_s
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["data"] = fetch_blocking(url, timeout_s, max_bytes, deadline)
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="swaserve-media-fetch", daemon=True)
+        worker.start()
+        worker.join(timeout_s + 0.5)
+        if worker.is_alive():
+            raise MediaError(f"fetching the image took longer than {timeout_s:g} s", "")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["data"]  # type: ignore[return-value]
 
     return fetch
 

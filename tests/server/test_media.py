@@ -13,6 +13,7 @@ import random
 import struct
 import threading
 import time
+import urllib.parse
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -115,6 +116,8 @@ def test_data_url_leniency() -> None:
     urlsafe = base64.urlsafe_b64encode(png).decode()
     assert decode(f"data:image/png;base64,{urlsafe}").size == (4, 3)
     assert decode("  " + data_url(png) + " ").size == (4, 3)
+    quoted = urllib.parse.quote_from_bytes(png)
+    assert decode(f"data:image/png,{quoted}").size == (4, 3)  # RFC 2397 percent-encoding, no base64
 
 
 @pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
@@ -360,6 +363,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             for _ in range(40):
                 self.wfile.write(b"x" * 1000)
             return
+        elif self.path in ("/drip-body", "/drip-headers"):  # never finishes within the fetch timeout
+            if self.path == "/drip-body":
+                self.send_response(200)
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+            else:
+                self.wfile.write(b"HTTP/1.0 200 OK\r\n")
+            try:
+                for i in range(30):
+                    time.sleep(0.1)
+                    self.wfile.write(b"x" if self.path == "/drip-body" else b"X-%d: y\r\n" % i)
+                    self.wfile.flush()
+            except OSError:  # the client gave up: the point of the test
+                pass
+            return
         elif self.path.startswith("/redirect"):
             self.send_response(302)
             target = self.path.split("?to=", 1)[1]
@@ -406,6 +424,15 @@ def test_default_fetch_loopback(loopback: str) -> None:
     refused(part(f"{loopback}/big"), "too large", policy=policy)
     refused(part(f"{loopback}/missing"), "HTTP 404", policy=policy)
     assert make_fetch(policy)(f"{loopback}/img.png", 5.0, 10_000) == _Handler.png
+
+
+@pytest.mark.parametrize("path", ["/drip-body", "/drip-headers"])
+def test_default_fetch_total_deadline(loopback: str, path: str) -> None:
+    # each recv is well within the socket timeout; the whole fetch is not: refused near timeout_s
+    policy = MediaPolicy(allowed_domains=("127.0.0.1",), fetch_timeout_s=0.4)
+    t0 = time.monotonic()
+    refused(part(loopback + path), "took longer than 0.4 s", policy=policy)
+    assert time.monotonic() - t0 < 2.0  # the drip lasts 3 s
 
 
 # ---- file:// -----------------------------------------------------------------------------------------
