@@ -118,7 +118,8 @@ class Gemma4Vision:
 
         def get(name: str, dt: torch.dtype) -> torch.Tensor:
             t = tensors[name]
-            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+            if isinstance(t, np.ndarray):
+                t = torch.from_numpy(np.array(t))  # a copy: the arrays may be read-only views
             return t.to(device=self.device, dtype=dt)
 
         D, p = cfg.hidden_size, cfg.patch_size
@@ -221,6 +222,9 @@ class Gemma4Vision:
             raise ValueError(f"bad patches {tuple(pixel_values.shape)} for patch {cfg.patch_size}, "
                              f"pooling {cfg.pooling_kernel_size}")
         pos = position_ids.to(device=self.device, dtype=torch.long)  # [N, 2]
+        if N and (int(pos.min()) < 0 or int(pos.max()) >= cfg.position_embedding_size):
+            raise ValueError(f"patch positions {int(pos.min())}..{int(pos.max())} outside the position table "
+                             f"(size {cfg.position_embedding_size})")
         x = pixel_values.to(device=self.device, dtype=self.dtype) * 2 - 1  # [N, 3p^2] in [-1, 1]
         h = x @ self.patch_w.T + self.pos_table[0][pos[:, 0]] + self.pos_table[1][pos[:, 1]]  # [N, D]
         cos, sin = self._rope_tables(pos)  # [N, 1, hd]

@@ -60,7 +60,10 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
         return bytes(f.parts[f.data[0]]).decode()
     if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
         return [f.parts[i].tolist()[0] for i in f.data]
-    return f.parts[f.data[0]].tolist()[0]
+    v = f.parts[f.data[0]].tolist()[0]
+    if f.types and f.types[0] == gguf.GGUFValueType.FLOAT32:
+        return float(str(np.float32(v)))  # the shortest decimal of the float32: 1e-06, not 9.99999997e-07
+    return v
 
 
 def load_mmproj(path: str | Path) -> tuple[VisionConfig, dict[str, np.ndarray]]:
@@ -91,11 +94,11 @@ def load_mmproj(path: str | Path) -> tuple[VisionConfig, dict[str, np.ndarray]]:
 
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        if not t.name.startswith(("v.", "mm.")):
+        if not t.name.startswith(("v.", "mm.")) or t.name.startswith("mm.a."):  # skip text/audio tensors
             continue
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = np.ascontiguousarray(data, dtype=np.float32).reshape(
-            tuple(int(n) for n in reversed(t.shape)))
+        data = gguf.quants.dequantize(t.data, t.tensor_type)  # any stored type -> float32
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml ne order -> numpy order
+        tensors[t.name] = np.array(data, dtype=np.float32).reshape(shape)  # an owned, writable copy
     heads = int(need("clip.vision.attention.head_count"))
     hidden = int(need("clip.vision.embedding_length"))
     pos = tensors.get("v.position_embd.weight")
