@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from swaserve.engine.args import engine_config_from_kwargs
 from swaserve.engine.config import EngineConfig
-from swaserve.engine.core import FinishReason, SamplingParams, TokenLogprob
+from swaserve.engine.core import FinishReason, ImageInput, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -63,8 +63,10 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 anchors: Sequence[Sequence[int]] | None = None) -> list[Output]:
-        """Outputs in prompt order (for n > 1, the choices of a prompt follow each other)."""
+                 anchors: Sequence[Sequence[int]] | None = None,
+                 images: Sequence[Sequence[ImageInput]] | None = None) -> list[Output]:
+        """Outputs in prompt order (for n > 1, the choices of a prompt follow each other); `images`: each
+        prompt's (engine/core.py ImageInput, spans over image token ids of the prompt)."""
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -78,7 +80,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(ids, plist)):
             self._counter += 1
             rid = f"llm-{self._counter}"
-            eng.add_request(rid, p, sp, anchors[i] if anchors is not None else ())
+            eng.add_request(rid, p, sp, anchors[i] if anchors is not None else (),
+                            images[i] if images is not None else ())
             rids.append(rid)
         acc: dict[tuple[str, int], Output] = {}
         for rid, p, sp in zip(rids, ids, plist):

@@ -14,7 +14,7 @@ import sys
 from swaserve.bench.serve_compare import DEFAULT_CONFIGS, ServerProcess, parse_config
 from swaserve.bench.serve_runner import BenchRunner
 
-WORKLOADS = ("fanout", "append", "sweep", "random")
+WORKLOADS = ("fanout", "fanout-image", "append", "sweep", "random")
 
 
 def _int_list(s: str) -> list[int]:
@@ -78,6 +78,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--system-prompt-len", type=int, default=2048, help="fanout/append: system prompt tokens")
     w.add_argument("--question-len", type=int, default=128, help="fanout/append: user message tokens")
     w.add_argument("--output-len", type=int, default=32, help="fanout/append: max_tokens")
+    w.add_argument("--image-size", type=int, default=224,
+                   help="fanout-image: side of each group's shared random PNG (default 224)")
     w.add_argument("--num-sessions", type=int, default=2, help="append: conversations")
     w.add_argument("--num-turns", type=int, default=4, help="append: user turns per conversation")
     w.add_argument(

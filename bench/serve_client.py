@@ -130,7 +130,11 @@ async def run_session(
     msgs: list[dict] = [{"role": "system", "content": s.system}] if s.system is not None else []
     out = []
     for i, turn in enumerate(s.turns):
-        msgs.append({"role": "user", "content": turn.user})
+        if turn.image is None:
+            msgs.append({"role": "user", "content": turn.user})
+        else:
+            msgs.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": turn.image}},
+                                                      {"type": "text", "text": turn.user}]})
         res = RequestResult(s.key, i, turn.tag)
         if sem is None:
             await chat_request(client, rc, list(msgs), turn.max_tokens, res)

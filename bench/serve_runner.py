@@ -71,7 +71,7 @@ def build_workloads(
 ) -> list[W.Workload]:
     out = []
     for n in names:
-        if n == "fanout":
+        if n in ("fanout", "fanout-image"):
             out.append(
                 W.fanout(
                     args.num_groups,
@@ -81,6 +81,7 @@ def build_workloads(
                     args.output_len,
                     tpw,
                     args.seed,
+                    image_size=getattr(args, "image_size", 224) if n == "fanout-image" else 0,
                 )
             )
         elif n == "append":
@@ -111,6 +112,18 @@ def build_workloads(
                 )
             )
     return out
+
+
+def _encoder_runs(url: str, headers: dict) -> float | None:
+    """The server's image encoder runs so far (GET /metrics), None without an encoder."""
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("swaserve:image_encoder_runs_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 class BenchRunner:
@@ -165,8 +178,13 @@ class BenchRunner:
         """Every workload against one server."""
         rc = self._connect(url)
         for wl in self.workloads or []:
+            before = _encoder_runs(url, self.headers)
             results, duration = asyncio.run(run_workload(wl, rc))
             self._record(config, rc, server_argv, wl, results, duration)
+            after = _encoder_runs(url, self.headers)
+            if before is not None and after is not None:  # a server with an image encoder
+                print(f"image encoder runs [{config}]: {after - before:.0f}", flush=True)
+                self.runs[-1]["image_encoder_runs"] = after - before
 
     def run_interleaved(self, servers: list[tuple[str, str, list[str] | None]]) -> None:
         """Every workload against all servers at once, one session at a time, each session sent to every

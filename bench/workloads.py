@@ -43,6 +43,7 @@ class Turn:
     user: str
     max_tokens: int
     tag: Tag
+    image: str | None = None  # a data: URL sent as an image_url part before the text (fanout-image)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,24 @@ class Workload:
     @property
     def num_requests(self) -> int:
         return sum(len(s.turns) for ph in self.phases for s in ph.sessions)
+
+
+def random_image_url(rng: random.Random, size: int) -> str:
+    """A seeded random PNG (blocks of colour) as a data: URL."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (size, size))
+    step = max(1, size // 8)
+    for y in range(0, size, step):
+        for x in range(0, size, step):
+            rgb = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+            img.paste(rgb, (x, y, x + step, y + step))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def words_for(n_tokens: int, tokens_per_word: float) -> int:
@@ -104,8 +123,10 @@ def fanout(
     output_len: int,
     tokens_per_word: float = 1.0,
     seed: int = 0,
+    image_size: int = 0,
 ) -> Workload:
     """Generated shared prefix: each group shares a system prompt; every prompt has its own question.
+    With image_size, each group also shares one random image_size x image_size PNG (fanout-image).
 
     Phase 1 sends the first prompt of every group (cold), phase 2 the others (the siblings that
     should reuse the shared system prompt).
@@ -138,6 +159,16 @@ def fanout(
         output_len=output_len,
         seed=seed,
     )
+    if image_size:  # each group's prompts share one image (its own per group), before the question
+        imgs = [random_image_url(random.Random(seed * 1000 + g), image_size) for g in range(num_groups)]
+
+        def with_image(s: Session) -> Session:
+            img = imgs[int(s.key.split("/")[1][1:])]  # fanout/g<group>/p<prompt>
+            return Session(s.key, s.system, tuple(Turn(t.user, t.max_tokens, t.tag, img) for t in s.turns))
+
+        phases = [Phase(ph.name, tuple(with_image(s) for s in ph.sessions)) for ph in phases]
+        params["image_size"] = image_size
+        return Workload("fanout-image", tuple(phases), "non-first", params)
     return Workload("fanout", tuple(phases), "non-first", params)
 
 

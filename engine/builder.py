@@ -24,11 +24,19 @@ import torch
 
 from swaserve.engine.attention.kv_format import KVFormat, kv_format_of
 from swaserve.engine.attention.kv_pool import ArenaKVPool, arena_geometry, bytes_per_token
-from swaserve.engine.config import SIZING_RATIO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from swaserve.engine.config import (
+    SIZING_RATIO,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VisionSpec,
+)
 from swaserve.engine.kvcache import PREFIX_CACHES, Arena, PagePool, PrefixCache, SWARadixCache
 from swaserve.engine.kvcache.tier.build import build_tier
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
+from swaserve.engine.runner.images import ImageEmbedder
 from swaserve.engine.runner.model_runner import ModelRunner
 from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
@@ -157,6 +165,7 @@ class EngineParts:
     cache: PrefixCache
     scheduler: Scheduler
     runner: ModelRunner
+    vision_spec: VisionSpec | None = None  # the image encoder's preprocessing (the runner has the encoder)
 
 
 def build_cache(cache_cfg: CacheConfig, window: int, full_alloc: PagePool,
@@ -197,6 +206,8 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
     # prompt logprobs: as many all-vocabulary logit rows at a time as a full sampling step (the peak step)
     runner = ModelRunner(bundle.model, pool, P, model_cfg.sliding_window, device,
                          logprob_rows=sched_cfg.max_running_requests + 1)
+    if bundle.vision is not None:
+        runner.images = ImageEmbedder(bundle.vision, device, cfg.image_cache_size)
     if graphs_on:  # CUDA: capture at start, not mid-serving
         del graph_hold
         torch.cuda.empty_cache()  # the held bytes (and the peak-step reservation) back to the driver: the
@@ -234,4 +245,5 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         cache=cache,
         scheduler=Scheduler(sched_cfg, kv, context),
         runner=runner,
+        vision_spec=bundle.vision_spec if bundle.vision is not None else None,
     )

@@ -86,6 +86,19 @@ def option(default: Any = MISSING, flag: str | None = None, *, help: str | None 
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """What the server needs of the loaded image encoder (models/gemma4_vision.py) to prepare images:
+    the preprocessing's shapes and the prompt's image token ids (begin / end None: not in the vocab)."""
+
+    patch_size: int
+    pooling_kernel_size: int
+    max_soft_tokens: int
+    image_token_id: int
+    boi_token_id: int | None
+    eoi_token_id: int | None
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     cache_type: str = option(
         "radix", "--cache-type", backends="cache",
@@ -168,6 +181,14 @@ class EngineConfig:
     model_path: str | None = option(
         None, "--model", help="path to a Gemma 4 GGUF (default: the built-in demo model)")
     device: str = option("auto", "--device", help="cpu, cuda, cuda:N or auto (default)")  # auto: cuda if any
+    # the image encoder (llama.cpp's gemma4v mmproj GGUF); None = none, except the demo model's own
+    mmproj: str | None = option(
+        None, "--mmproj", help="a Gemma 4 vision projector GGUF (llama.cpp's mmproj, projector gemma4v): "
+        "requests may then carry images (default: none; the built-in demo model brings its own)")
+    no_mmproj: bool = option(False, "--no-mmproj", help="serve text only, even with the demo model's encoder")
+    image_cache_size: int = option(
+        64, "--image-cache-size", min=0,
+        help="encoded images kept by content hash, so that a fan-out over one image encodes it once")
     attention_backend: str = option("auto", "--attention-backend", backends="attention")
     moe_backend: str = option("auto", "--moe-backend", backends="moe")
     moe_cache_size: int = option(

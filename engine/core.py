@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from swaserve.engine.kvcache.base import CacheHandle
 
@@ -173,6 +174,33 @@ class SamplingParams:
                                "required tool call ends with EOS)", "ignore_eos")
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt: its soft tokens fill prompt positions [offset, offset + length), where the
+    prompt holds the image token id; the engine keys them in the prefix cache by `key` (image_pad_ids)."""
+
+    offset: int
+    length: int  # soft tokens: the encoder's output rows
+    key: int  # 64-bit content hash of the prepared pixels (models/gemma4_image.py content_hash)
+    pixel_values: Any  # np.float32 [patches, 3 * patch_size**2]
+    position_ids: Any  # np.int64 [patches, 2]
+
+
+PAD_ID_SPAN = 1 << 40  # image pad ids lie in [vocab, vocab + PAD_ID_SPAN): never a real token
+
+
+def image_pad_ids(key: int, length: int, vocab: int) -> list[int]:
+    """The ids an image's soft tokens carry in Req.token_ids (the prefix cache's key), all >= vocab: a
+    different value per position from a hash of (key, position), so that two different images share no
+    prefix of their spans (SGLang and vLLM key an image the same way, by a hash of its content)."""
+    seed = (key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")  # content_hash is signed
+    out = []
+    for i in range(0, length, 4):  # one sha256 gives four 64-bit draws
+        d = hashlib.sha256(seed + i.to_bytes(4, "little")).digest()
+        out.extend(vocab + int.from_bytes(d[j:j + 8], "little") % PAD_ID_SPAN for j in range(0, 32, 8))
+    return out[:length]
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -221,6 +249,7 @@ class Req:
     prompt_len: int
     params: SamplingParams
     anchors: tuple[int, ...] = ()
+    images: tuple[ImageInput, ...] = ()  # ordered, disjoint spans; their token ids are image_pad_ids
     max_len: int = 0  # token_ids may grow to this length (prompt + max_tokens, within the context)
     stop_ids: frozenset[int] = frozenset()  # eos ids (unless ignore_eos) + params.stop_token_ids
     seed: int = 0  # generator seed (params.seed, or derived from the engine seed)

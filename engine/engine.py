@@ -15,8 +15,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from swaserve.engine.builder import build_engine_parts
-from swaserve.engine.config import EngineConfig
-from swaserve.engine.core import EngineClosed, Req, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from swaserve.engine.config import EngineConfig, VisionSpec
+from swaserve.engine.core import (
+    EngineClosed,
+    ImageInput,
+    Req,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.scheduler import StepOutput, make_reqs
@@ -67,8 +75,9 @@ class Engine:
         self.tokenizer_metadata = parts.tokenizer_metadata
         self.chat_template = parts.chat_template
         self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
+        self.vision_spec: VisionSpec | None = parts.vision_spec
         self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.model_config.vocab_size,
-                                            self.context_length)
+                                            self.context_length, self.vision_spec is not None)
         self.eos_ids = parts.eos_ids
         self.pool = parts.pool
         self.full_alloc = parts.full_alloc
@@ -103,24 +112,25 @@ class Engine:
 
     # ---- requests in -----------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                      anchors: Sequence[int] = ()) -> list[Req]:
+                      anchors: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> list[Req]:
         """Validate (engine/validation.py) and build the Reqs of one request (safe from any thread);
         RequestError on bad input, EngineClosed after close()."""
         self._check_open()
-        validate_request(prompt_ids, params, self.request_limits, self.grammar.check)
+        validate_request(prompt_ids, params, self.request_limits, self.grammar.check, images)
         seed = (self.config.seed * 1_000_003 + next(self._seed_counter)) & 0x7FFF_FFFF_FFFF_FFFF
         reqs = make_reqs(request_id, [int(t) for t in prompt_ids], params, context_length=self.context_length,
                          eos_ids=self.eos_ids, seed=seed, anchors=anchors,
-                         share_prompt=self.cache.reuses_prefixes)
+                         share_prompt=self.cache.reuses_prefixes, images=images,
+                         vocab=self.model_config.vocab_size)
         now = time.monotonic()
         for r in reqs:
             r.arrival_time = now
         return reqs
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    anchors: Sequence[int] = ()) -> list[Req]:
+                    anchors: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> list[Req]:
         """Validate, build and queue one request; returns its choices."""
-        reqs = self.make_requests(request_id, prompt_ids, params, anchors)
+        reqs = self.make_requests(request_id, prompt_ids, params, anchors, images)
         self.add_reqs(reqs)
         return reqs
 
@@ -374,6 +384,7 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "busy_seconds_total": self.step_time,
+            **(self.runner.images.stats() if self.runner.images is not None else {}),
         }
 
     # ---- shutdown ------------------------------------------------------------------------------------

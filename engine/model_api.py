@@ -11,7 +11,7 @@ import torch
 
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
-from swaserve.engine.config import ModelConfig
+from swaserve.engine.config import ModelConfig, VisionSpec
 
 
 class CausalLM(Protocol):
@@ -40,6 +40,8 @@ class ModelBundle:
     name: str  # the default served model name
     path: str  # the GGUF file
     device: torch.device
+    vision: Any = None  # the image encoder (models/gemma4_vision.py Gemma4Vision), None: text only
+    vision_spec: VisionSpec | None = None  # its preprocessing, for the server
 
 
 def resolve_device(name: str) -> torch.device:

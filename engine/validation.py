@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from swaserve.engine.core import GrammarSpec, RequestError, SamplingParams
+from swaserve.engine.core import GrammarSpec, ImageInput, RequestError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class RequestLimits:
     vocab_size: int  # the tokenizer's: ids the sampling fields may name (logit_bias, stop_token_ids, top_k)
     model_vocab_size: int  # the model's embedding rows: ids a prompt may hold
     context_length: int
+    images: bool = False  # an image encoder is loaded
 
 
 def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) -> int:
@@ -42,8 +43,25 @@ def check_lengths(prompt_len: int, params: SamplingParams, context_length: int) 
     return prompt_len + params.max_tokens
 
 
+def check_images(prompt_len: int, images: Sequence[ImageInput], loaded: bool) -> None:
+    """Image spans: an encoder to run them, in order, disjoint, inside the prompt, one pixel row per patch."""
+    if not loaded:
+        raise RequestError("this model has no image encoder (start the server with --mmproj FILE)",
+                           "messages")
+    end = 0
+    for i, im in enumerate(images):
+        if im.length < 1 or im.offset < end or im.offset + im.length > prompt_len:
+            raise RequestError(f"image {i}: its span [{im.offset}, {im.offset + im.length}) is not in order "
+                               f"inside the prompt of {prompt_len} tokens", "messages")
+        if len(im.pixel_values) != len(im.position_ids) or len(im.pixel_values) == 0:
+            raise RequestError(f"image {i}: {len(im.pixel_values)} patches but {len(im.position_ids)} "
+                               "positions", "messages")
+        end = im.offset + im.length
+
+
 def validate_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits,
-                     check_grammar: Callable[[GrammarSpec], None] | None = None) -> int:
+                     check_grammar: Callable[[GrammarSpec], None] | None = None,
+                     images: Sequence[ImageInput] = ()) -> int:
     """Raise RequestError for a bad request: sampling fields, then the grammar (`check_grammar`, where the
     grammar backend is: the engine's process), then the prompt's ids and the lengths. Returns the max
     total length (prompt + completion)."""
@@ -53,4 +71,8 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, limits: 
     # min / max, not a Python loop: a front runs this on the HTTP event loop (200k ids: 2 ms, not 50+)
     if prompt_ids and not (0 <= int(min(prompt_ids)) and int(max(prompt_ids)) < limits.model_vocab_size):
         raise RequestError("the prompt contains token ids outside the vocabulary", "prompt")
+    if images:
+        check_images(len(prompt_ids), images, limits.images)
+        if params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not supported for a prompt with images", "prompt_logprobs")
     return check_lengths(len(prompt_ids), params, limits.context_length)

@@ -73,4 +73,37 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
     name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
     log.info("model %s built in %.1fs (%s, device %s)", name, time.monotonic() - t0, arch_name, device)
     meta: dict[str, Any] = loaded.metadata
-    return ModelBundle(model=model, config=loaded.config, metadata=meta, name=name, path=path, device=device)
+    vision, spec = _load_vision(cfg, loaded.config, meta, device)
+    return ModelBundle(model=model, config=loaded.config, metadata=meta, name=name, path=path, device=device,
+                       vision=vision, vision_spec=spec)
+
+
+def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device: Any) -> tuple[Any, Any]:
+    """The image encoder of --mmproj (or the demo model's own): (Gemma4Vision, VisionSpec) or (None, None)."""
+    path = cfg.mmproj
+    if cfg.no_mmproj:
+        return None, None
+    if path is None and cfg.model_path is None:
+        from swaserve.models.demo.tiny import demo_mmproj_path
+
+        path = demo_mmproj_path()
+    if path is None:
+        return None, None
+    from swaserve.engine.config import VisionSpec
+    from swaserve.engine.text.tokenizer import Tokenizer
+    from swaserve.models.gemma4_vision import Gemma4Vision
+    from swaserve.models.mmproj import load_mmproj
+
+    vcfg, tensors = load_mmproj(path)
+    if vcfg.text_hidden_size != text_cfg.hidden_size:
+        raise ValueError(f"{path}: the projector writes {vcfg.text_hidden_size}-wide embeddings but the "
+                         f"model's hidden size is {text_cfg.hidden_size}: not this model's mmproj")
+    tok = Tokenizer.from_metadata(meta)
+    image_id = tok.piece_to_id("<|image|>")
+    if image_id is None:
+        raise ValueError(f"--mmproj {path}: the model's vocabulary has no <|image|> token")
+    spec = VisionSpec(vcfg.patch_size, vcfg.pooling_kernel_size, vcfg.max_soft_tokens, image_id,
+                      tok.piece_to_id("<|image>"), tok.piece_to_id("<image|>"))
+    log.info("image encoder %s: %d layers, up to %d soft tokens an image", Path(path).name, vcfg.num_layers,
+             vcfg.max_soft_tokens)
+    return Gemma4Vision(vcfg, tensors, device), spec

@@ -116,12 +116,19 @@ class Gemma4Model:
     # ---- public API ----
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
-        """input_ids [T] (new tokens of every sequence, flat) -> fp32 hidden [T, H] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T] (new tokens of every sequence, flat) -> fp32 hidden [T, H] after the final norm.
+        images: (row index [M], fp32 rows [M, H]) placed in the embedded stream at those rows, unscaled
+        (image soft tokens; their ids, pad ids past the vocabulary, are not looked up)."""
         ops = self._fused if self.fused_path() else self._ops
         ids = input_ids.to(self.device)
         positions = meta.positions.to(self.device)  # [T]
+        if images is not None:
+            ids = torch.where(ids < self.cfg.vocab_size, ids, torch.zeros_like(ids))
         h = embedding(ids, self.embed) * self.embed_scale  # [T, H] fp32 residual stream
+        if images is not None:
+            h[images[0].to(self.device)] = images[1].to(self.device, h.dtype)  # [M, H]
         rope = {kind: r.lookup(positions) for kind, r in self.ropes.items()}
         x = ops.first_input(h)  # [T, H] layer 0's input norm, or None: each layer norms its own
         for i, lw in enumerate(self.layers):

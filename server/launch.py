@@ -16,6 +16,7 @@ from swaserve.engine.core import MAX_STOP_STRINGS
 from swaserve.server.app import build_app
 from swaserve.server.http.connections import DEFAULT_READ_TIMEOUT, ConnectionPolicy, default_max_connections
 from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.media import MediaPolicy
 from swaserve.server.params import DEFAULT_MAX_STOP, parse_default_sampling
 from swaserve.server.responses.store import DEFAULT_STORE_BYTES, DEFAULT_STORE_SIZE
 from swaserve.server.state import ServerConfig
@@ -74,6 +75,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_STOP, help=f"stop strings per request (default {DEFAULT_MAX_STOP}, "
                                                   "as OpenAI)")
     g.add_argument("--disable-docs", action="store_true", help="serve no /openapi.json")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image parts may name http(s) URLs on these hosts (and their subdomains); the server "
+                        "fetches them (default: none, only data: URLs)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image parts may name file:// URLs of files under DIR (default: none)")
+    g.add_argument("--max-image-bytes", type=bounded_number("--max-image-bytes", int, min=1024),
+                   default=MediaPolicy.max_image_bytes, help="encoded bytes per image (default 20 MiB)")
+    g.add_argument("--max-image-pixels", type=bounded_number("--max-image-pixels", int, min=1),
+                   default=MediaPolicy.max_image_pixels, help="width x height per image (default 40,000,000)")
+    g.add_argument("--max-images-per-request", type=bounded_number("--max-images-per-request", int, min=0),
+                   default=MediaPolicy.max_images, help="image parts per request (default 16)")
     g.add_argument("--worker-processes", type=bounded_number("--worker-processes", int, min=1, max=64),
                    default=None, metavar="N",
                    help="processes that render chat templates, tokenize long prompts and parse large bodies "
@@ -223,6 +235,18 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     return () if key is None else tuple(dict.fromkeys([key, *more]))
 
 
+def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+    local = getattr(args, "allowed_local_media_path", None)
+    if local is not None and not os.path.isdir(local):
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    return MediaPolicy(max_image_bytes=getattr(args, "max_image_bytes", MediaPolicy.max_image_bytes),
+                       max_image_pixels=getattr(args, "max_image_pixels", MediaPolicy.max_image_pixels),
+                       max_images=getattr(args, "max_images_per_request", MediaPolicy.max_images),
+                       allowed_domains=tuple(d.lower() for d in getattr(args, "allowed_media_domains", None)
+                                             or ()),
+                       local_media_dir=os.path.realpath(local) if local else None)
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     keys = api_keys_from_args(args)
     names = list(args.served_model_name or [])
@@ -241,6 +265,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
                         max_stop_sequences=getattr(args, "max_stop_sequences", DEFAULT_MAX_STOP),
                         disable_docs=getattr(args, "disable_docs", False),
+                        media=_media_policy(args),
                         ui=args.ui if getattr(args, "ui", None) is not None else is_loopback(args.host))
 
 

@@ -72,6 +72,11 @@ class _EngineCollector(Collector):
                       stats.get("prefix_cache_query_tokens", 0))
         yield counter("prefix_cache_hits", "Prompt tokens whose KV was reused from the prefix cache.",
                       stats.get("prefix_cache_hit_tokens", 0))
+        if "image_encoder_runs" in stats:  # an image encoder is loaded (engine/runner/images.py)
+            yield counter("image_encoder_runs", "Images encoded (a fan-out over one image encodes it once).",
+                          stats["image_encoder_runs"])
+            yield counter("image_cache_hits", "Images whose encoder output was reused by content hash.",
+                          stats["image_cache_hits"])
         yield gauge("num_requests_running", "Requests in the running batch.", stats.get("running", 0))
         yield gauge("num_requests_waiting", "Requests waiting to be admitted.", stats.get("waiting", 0))
         usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",

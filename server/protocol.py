@@ -72,6 +72,9 @@ class StreamOptions(Lenient):
 class ContentPart(Lenient):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # chat: {"url", "detail"}; Responses input_image: the url
+    detail: str | None = None  # Responses input_image
+    file_id: str | None = None  # Responses input_image (refused: no Files API)
 
 
 class ToolCallFunction(Lenient):

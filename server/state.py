@@ -7,12 +7,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.core import EngineUnavailable
 from swaserve.server.errors import APIError
 from swaserve.server.http.limits import DEFAULT_MAX_REQUEST_BYTES
+from swaserve.server.media import MediaPolicy
 from swaserve.server.metrics import Metrics
 from swaserve.server.params import DEFAULT_MAX_STOP, merge_defaults
 from swaserve.server.responses.store import DEFAULT_STORE_BYTES, DEFAULT_STORE_SIZE
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     # what the routes drive: the engine on a thread of this process, or in its own process
     from swaserve.engine.client.base import EngineClient
     from swaserve.engine.text.chat_template import ChatTemplate
+    from swaserve.server.chat.images import VisionSetup
 
 logger = logging.getLogger("swaserve.server")
 
@@ -44,6 +46,7 @@ class ServerConfig:
     more_api_keys: tuple[str, ...] = ()  # further keys accepted besides api_key (--api-key-file lines)
     responses_store_size: int = DEFAULT_STORE_SIZE  # stored /v1/responses (0: none kept)
     responses_store_bytes: int = DEFAULT_STORE_BYTES
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # image parts: sources and limits
 
 
 _frozen = False
@@ -137,6 +140,15 @@ class ServerState:
                 self.engine.close()  # AsyncEngine: also the core's KV tier sealed, joined
 
     # --- accessors -----------------------------------------------------------------------------
+    def vision_setup(self) -> VisionSetup | None:
+        """What chat planning needs to read image parts; None when the model has no image encoder."""
+        spec = getattr(self.engine, "vision", None)
+        if spec is None:
+            return None
+        from swaserve.server.chat.images import VisionSetup
+
+        return VisionSetup(spec, self.cfg.media)
+
     def ready_engine(self) -> EngineClient:
         """The engine, if it can serve now; else a 503: loading, failed to load, or its process is being
         restarted (`engine_restarting`) or gone (`engine_dead`)."""

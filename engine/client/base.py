@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from swaserve.engine.core import RequestOutput, SamplingParams
+    from swaserve.engine.config import VisionSpec
+    from swaserve.engine.core import ImageInput, RequestOutput, SamplingParams
     from swaserve.engine.text.chat_template import ChatTemplate
     from swaserve.engine.text.template_sandbox import RenderLimits
     from swaserve.engine.text.tokenizer import Tokenizer
@@ -38,8 +39,11 @@ class EngineClient(Protocol):
         """Stop serving and release what the front owns (idempotent); for the one that built it."""
         ...
 
+    vision: VisionSpec | None  # the image encoder's preprocessing, None: text only
+
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 anchors: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                 anchors: Sequence[int] = (), images: Sequence[ImageInput] = ()
+                 ) -> AsyncIterator[RequestOutput]:
         """Stream the RequestOutputs of every choice; RequestError / EngineOverloaded before any output;
         the request is aborted when the consumer stops reading."""
         ...

@@ -21,7 +21,7 @@ from typing import Any
 from swaserve.engine.client.loop import EngineLoop
 from swaserve.engine.client.messages import AbortRequest, AddReqs, CacheState, FlushCache, Stop
 from swaserve.engine.client.output_stream import Inflight, read_choices
-from swaserve.engine.core import EngineUnavailable, RequestOutput, SamplingParams
+from swaserve.engine.core import EngineUnavailable, ImageInput, RequestOutput, SamplingParams
 from swaserve.engine.engine import Engine
 
 
@@ -35,6 +35,7 @@ class AsyncEngine:
         self.render_limits = core.render_limits  # the chat-template render budget (server/state.py)
         self.model_name = core.model_name
         self.model_config = core.model_config
+        self.vision = core.vision_spec
         self.context_length = core.context_length
         self.generation_defaults = dict(core.generation_defaults)  # the GGUF's general.sampling.* values
         self._inflight = Inflight({}, self.abort)
@@ -92,12 +93,14 @@ class AsyncEngine:
 
     # ---- the asyncio API -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       anchors: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       anchors: Sequence[int] = (), images: Sequence[ImageInput] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs of every choice; RequestError / EngineOverloaded before any output."""
         if params.grammar is not None:  # compiling a grammar takes milliseconds: not on the event loop
-            reqs = await asyncio.to_thread(self.core.make_requests, request_id, prompt_ids, params, anchors)
+            reqs = await asyncio.to_thread(self.core.make_requests, request_id, prompt_ids, params, anchors,
+                                           images)
         else:
-            reqs = self.core.make_requests(request_id, prompt_ids, params, anchors)
+            reqs = self.core.make_requests(request_id, prompt_ids, params, anchors, images)
         limit = self.core.config.scheduler.max_queued_requests
         q = self._inflight.admit(request_id, len(reqs), limit, lambda seq: self._loop.put(AddReqs(seq, reqs)))
         if self._thread is None:

@@ -138,7 +138,7 @@ class EngineLoop:
         match msg:
             case AddRequest():
                 self.taken = max(self.taken, msg.seq)  # one may pass another compiling its grammar
-                core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors)
+                core.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.anchors, msg.images)
             case AddReqs():
                 self.taken = msg.seq
                 core.add_reqs(msg.reqs)

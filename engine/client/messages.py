@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swaserve.engine.config import ModelConfig
-from swaserve.engine.core import Req, RequestOutput, SamplingParams
+from swaserve.engine.config import ModelConfig, VisionSpec
+from swaserve.engine.core import ImageInput, Req, RequestOutput, SamplingParams
 
 
 # ---- front -> loop ------------------------------------------------------------------------------------
@@ -23,6 +23,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     anchors: tuple[int, ...] = ()
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Ready:
     tokenizer_metadata: dict[str, Any]
     generation_defaults: dict[str, float]
     stats: dict[str, Any]
+    vision: VisionSpec | None = None  # the image encoder, when one is loaded
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ from swaserve.engine.client.messages import (
 )
 from swaserve.engine.client.output_stream import Inflight, read_choices
 from swaserve.engine.client.restart import EngineDied, RestartPolicy, Supervisor
-from swaserve.engine.config import EngineConfig, ModelConfig
-from swaserve.engine.core import EngineUnavailable, RequestOutput, SamplingParams
+from swaserve.engine.config import EngineConfig, ModelConfig, VisionSpec
+from swaserve.engine.core import EngineUnavailable, ImageInput, RequestOutput, SamplingParams
 from swaserve.engine.text.chat_template import model_chat_template
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.engine.text.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ def _engine_main(factory: EngineFactory, cfg: EngineConfig, inbox: Connection, o
     if shared is not None:
         Beat(shared, loop, threading.current_thread()).start()  # the loop runs on this thread
     outbox.send(Ready(core.model_name, core.context_length, core.model_config, core.tokenizer_metadata,
-                      dict(core.generation_defaults), loop.stats()))
+                      dict(core.generation_defaults), loop.stats(), core.vision_spec))
 
     gate = CompileGate(loop.put, core.grammar)  # grammars compile off the loop's thread
 
@@ -237,8 +237,9 @@ class EngineProcessClient:
         self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
         self.chat_template = model_chat_template(ready.tokenizer_metadata, self.tokenizer, self.render_limits)
         self.generation_defaults: dict[str, float] = ready.generation_defaults  # general.sampling.*
+        self.vision: VisionSpec | None = ready.vision
         self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.model_config.vocab_size,
-                                            self.context_length)
+                                            self.context_length, ready.vision is not None)
         self.log_requests = False  # the engine process never logs per request; the server does
         self._closed = False
 
@@ -287,17 +288,18 @@ class EngineProcessClient:
             raise EngineUnavailable("the engine was shut down", "shutting_down")
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       anchors: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       anchors: Sequence[int] = (), images: Sequence[ImageInput] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs of every choice; RequestError / EngineOverloaded / EngineUnavailable
         before any output; EngineUnavailable later when the engine process fails meanwhile."""
         self.check_available()
-        validate_request(prompt_ids, params, self.request_limits)  # the engine's checks, before sending
+        validate_request(prompt_ids, params, self.request_limits, images=images)  # before sending
         limit = self.config.scheduler.max_queued_requests
         ids, marks = list(map(int, prompt_ids)), tuple(anchors)
         engine = self._engine  # the request stays on this one: its failure fails the request
 
         def submit(seq: int) -> None:
-            engine.outgoing.put(AddRequest(seq, request_id, ids, params, marks))
+            engine.outgoing.put(AddRequest(seq, request_id, ids, params, marks, tuple(images)))
 
         q = engine.inflight.admit(request_id, params.n, limit, submit)  # raises once the engine ended
         outs = read_choices(request_id, q, params.n, engine.inflight.streams, engine.abort)

@@ -10,9 +10,19 @@ from swaserve.engine.core import Batch, Req, TokenLogprob
 from swaserve.engine.model_api import CausalLM
 from swaserve.engine.runner import prompt_logprobs
 from swaserve.engine.runner.cuda_graphs import DecodeGraphs
+from swaserve.engine.runner.images import ImageEmbedder
 from swaserve.engine.runner.sampling import SampleRow, make_generator, sample_isolated
 from swaserve.engine.runner.staging import pack_to_device, to_device
 from swaserve.engine.text.grammar import GrammarBackend, GrammarState
+
+
+def _vocab_ids(r: Req) -> list[int]:
+    """The prompt's ids for the repetition penalty: an image's pad ids are no token."""
+    ids = r.token_ids[:r.prompt_len]
+    if not r.images:
+        return ids
+    spans = [(im.offset, im.offset + im.length) for im in r.images]
+    return [t for i, t in enumerate(ids) if not any(a <= i < b for a, b in spans)]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,6 +89,8 @@ class ModelRunner:
         # at most logprob_rows rows of all-vocabulary logits at a time
         self.prompt_logprobs: dict[Req, list[TokenLogprob]] = {}
         self.logprob_rows = logprob_rows
+        # image soft tokens (engine/runner/images.py); set by the engine builder when an encoder is loaded
+        self.images: ImageEmbedder | None = None
 
     def execute(self, batch: Batch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         self.failed = {}
@@ -93,7 +105,11 @@ class ModelRunner:
         else:
             meta = build_metadata(batch, self.page_size, self.window, self.device)
             ids = to_device(batch.input_ids(), torch.int64, self.device)  # [T]
-            hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
+            mm = self.images.rows_for(batch, self.failed) if self.images is not None else None
+            if mm is None:
+                hidden = self.model.forward(ids, meta, self.pool)  # [T, H]
+            else:
+                hidden = self.model.forward(ids, meta, self.pool, images=mm)  # [T, H]
             if prompt_rows:
                 self.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, prompt_rows,
                                                                self.logprob_rows)
@@ -123,7 +139,7 @@ class ModelRunner:
                 banned = sorted(r.stop_ids)  # a finished grammar allows only EOS: it wins over min_tokens
             penal = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             rows.append(SampleRow(p, r.generator if p.temperature > 0 else None,  # type: ignore[arg-type]
-                                  r.token_ids[:r.prompt_len] if p.repetition_penalty != 1.0 else (),
+                                  _vocab_ids(r) if p.repetition_penalty != 1.0 else (),
                                   r.output_ids if penal else (), banned))
         bitmask = self.grammar.fill(states) if states and self.grammar is not None else None
         for j, st in zip(grammar_rows, states):  # a matcher that failed fails its request (GrammarFailed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from swaserve.engine.core import Req, SamplingParams
+from swaserve.engine.core import ImageInput, Req, SamplingParams, image_pad_ids
 from swaserve.engine.validation import check_lengths
 
 
@@ -17,10 +17,15 @@ def choice_seed(base: int, index: int) -> int:
 
 def make_reqs(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, context_length: int,
               eos_ids: Iterable[int], seed: int, anchors: Sequence[int] = (),
-              share_prompt: bool = True) -> list[Req]:
+              share_prompt: bool = True, images: Sequence[ImageInput] = (), vocab: int = 0) -> list[Req]:
     """One Req per choice (n > 1: choices 1.. wait for choice 0's prompt to be cached when
-    share_prompt, then reuse its pages through the prefix cache)."""
+    share_prompt, then reuse its pages through the prefix cache). An image's span carries its pad ids
+    (image_pad_ids, from `vocab` on): the prefix cache keys it by the image's content."""
     max_len = check_lengths(len(prompt_ids), params, context_length)
+    if images:
+        prompt_ids = list(prompt_ids)
+        for im in images:
+            prompt_ids[im.offset:im.offset + im.length] = image_pad_ids(im.key, im.length, vocab)
     stop = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop |= set(eos_ids)
@@ -35,6 +40,7 @@ def make_reqs(request_id: str, prompt_ids: Sequence[int], params: SamplingParams
             prompt_len=len(prompt_ids),
             params=params,
             anchors=tuple(sorted({int(a) for a in anchors if 0 < int(a) < len(prompt_ids)})),
+            images=tuple(images),
             max_len=max_len,
             stop_ids=frozenset(stop),
             seed=choice_seed(base, i),

@@ -22,7 +22,8 @@ from swaserve.models.demo.tiny_writer import QUANTIZABLE, WRITE_QTYPES, RawTenso
 from swaserve.models.gemma4_layout import tensor_shapes
 
 __all__ = [
-    "PRESETS", "RawTensor", "add_make_model_args", "demo_model_path", "make_model", "preset_config",
+    "PRESETS", "RawTensor", "add_make_model_args", "demo_mmproj_path", "demo_model_path", "make_model",
+    "preset_config",
     "random_tensors", "run_make_model", "write_gguf",
 ]
 
@@ -209,6 +210,36 @@ def demo_model_path() -> str:
     return str(path)
 
 
+def make_mmproj(preset: str, out_path: str, seed: int = 0, size: str = "tiny") -> str:
+    """A random gemma4v vision projector for `preset`'s hidden size, as llama.cpp's mmproj GGUF: what
+    `make-model --vision` writes beside the model. size "tiny": models/mmproj.py tiny_vision_config;
+    "real": Gemma 4's tower (768 wide, 16 layers, up to 280 soft tokens an image)."""
+    from swaserve.models.gemma4_vision import VisionConfig
+    from swaserve.models.mmproj import random_vision, tiny_vision_config, write_mmproj
+
+    hidden = int(PRESETS[preset]["hidden_size"])
+    vcfg = tiny_vision_config(hidden) if size == "tiny" else VisionConfig(text_hidden_size=hidden)
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    try:
+        write_mmproj(tmp, vcfg, random_vision(vcfg, seed))
+        os.replace(tmp, out_path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out_path
+
+
+def demo_mmproj_path() -> str:
+    """The demo model's image encoder, generated once beside it."""
+    h = hashlib.sha256()  # a changed generator gives a new file
+    for f in ("gemma4_vision.py", "mmproj.py"):
+        h.update((Path(__file__).parent.parent / f).read_bytes())
+    tag = h.hexdigest()[:8]
+    path = Path(demo_model_path()).with_suffix(f".{tag}.mmproj.gguf")
+    if not path.exists():
+        make_mmproj("tiny", str(path), seed=0)
+    return str(path)
+
+
 def add_make_model_args(p: argparse.ArgumentParser) -> None:
     """Flags of `swaserve make-model`."""
     p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: tiny)")
@@ -222,6 +253,11 @@ def add_make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-qtype", choices=list(BLOCK_QTYPES + FLOAT_QTYPES), default=None,
                    metavar="QTYPE", help="stored type of the token embedding / tied lm_head (default: as "
                    "--qtype; llama-quantize writes Q6_K here for Q4_0, Q4_K_M, Q5_K_M and Q6_K files)")
+    p.add_argument("--vision-size", choices=("tiny", "real"), default="tiny",
+                   help="with --vision: a tiny tower (demo, tests) or Gemma 4's own shape (benchmarks)")
+    p.add_argument("--vision", action="store_true",
+                   help="also write a random gemma4v image encoder, OUT with .mmproj.gguf for .gguf "
+                        "(serve it with --mmproj)")
 
 
 def run_make_model(args: argparse.Namespace) -> int:
@@ -230,4 +266,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     path = make_model(args.preset, args.out, seed=args.seed, progress=True, qtype=qtype,
                       embed_qtype=getattr(args, "embed_qtype", None))
     print(f"{path} ({Path(path).stat().st_size / 1e6:.1f} MB, preset {args.preset})")
+    if getattr(args, "vision", False):
+        mm = make_mmproj(args.preset, str(Path(path).with_suffix(".mmproj.gguf")), seed=args.seed,
+                         size=getattr(args, "vision_size", "tiny"))
+        print(f"{mm} ({Path(mm).stat().st_size / 1e6:.1f} MB, image encoder for --mmproj)")
     return 0

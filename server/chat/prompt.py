@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swaserve.engine.text.chat_template import ChatPrompt
+from swaserve.server.chat.images import IMAGE_PART_TYPES, PARAM_KEY, PLACEHOLDER, ImageParts
 from swaserve.server.errors import bad_request
 from swaserve.server.protocol import ChatMessage, FunctionDef, NamedToolChoice, Tool
 
@@ -33,17 +34,27 @@ def _arguments(args: Any, where: str) -> dict[str, Any]:
     return parsed
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated template messages; 400 naming the message and field."""
+def message_dicts(messages: list[ChatMessage], images: ImageParts | None = None) -> list[dict[str, Any]]:
+    """Validated template messages; 400 naming the message and field. Image parts go to `images` (None: the
+    model reads no images, a 400) and leave one placeholder each in the text."""
     out = []
     for i, m in enumerate(messages):
         content: Any = m.content
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
+                if part.type in IMAGE_PART_TYPES:
+                    if images is None:
+                        raise bad_request(f"content part type {part.type!r} needs an image encoder: this "
+                                          "server reads text only (start it with --mmproj FILE)",
+                                          f"messages[{i}].content[{j}].type")
+                    d = part.model_dump(exclude_none=True)
+                    images.parts.append((d, d.pop(PARAM_KEY, f"messages[{i}].content[{j}]")))
+                    texts.append(PLACEHOLDER)
+                    continue
                 if part.type not in ("text", "input_text", "output_text") or part.text is None:
-                    raise bad_request(f"content part type {part.type!r} is not supported (text only)",
-                                      f"messages[{i}].content[{j}].type")
+                    raise bad_request(f"content part type {part.type!r} is not supported (text and images "
+                                      "only)", f"messages[{i}].content[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "tool" if m.role == "function" else m.role  # deprecated function results

@@ -76,7 +76,8 @@ async def _chat(state: ServerState, body: ChatBody, request: Request, rid: str,
                                            cp.plan.forced_names()))
 
     choices = {i: new_choice() for i in range(req.n)}
-    gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts)
+    images = {"images": cp.images} if cp.images else {}  # an engine client without images takes none
+    gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts, **images)
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choices, TokenText(engine.tokenizer), k or 0, tracker, cp.echo)
     ctx.param_rename = rename

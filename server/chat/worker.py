@@ -16,18 +16,20 @@ import collections
 import itertools
 import pickle
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from swaserve.engine.core import GrammarSpec
+from swaserve.engine.core import GrammarSpec, ImageInput
 from swaserve.engine.text.chat_template import ChatPrompt, ChatTemplate, build_chat_template
 from swaserve.engine.text.grammar_check import llg_tokenizer
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.server.body import invalid_body, read_body, validate_json, validate_off_loop
+from swaserve.server.chat import images as chat_images
 from swaserve.server.chat import prompt as chat_prompt
+from swaserve.server.chat.images import ImageParts, VisionSetup
 from swaserve.server.chat.legacy_functions import legacy_functions
 from swaserve.server.chat.structured import grammar_for, json_format
 from swaserve.server.errors import APIError
@@ -57,22 +59,30 @@ class ChatPlan:
     max_calls: int | None
     echo: str  # echo: the last message's content, prefixed to the reply (assistant messages only)
     warning: str | None = None  # schema keywords the grammar does not enforce (the route logs it)
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in order
 
 
 def plan_with(template: ChatTemplate, req: ChatCompletionRequest,
-              context_length: int | None = None) -> ChatPlan:
+              context_length: int | None = None, vision: VisionSetup | None = None) -> ChatPlan:
     """Messages, tools, template kwargs and structured output -> prompt and grammar (CPU work). A prompt
     longer than `context_length` is a 400: before rendering when its content alone is too long in
-    characters (server/prompt_limits.py), else once tokenized."""
+    characters (server/prompt_limits.py), else once tokenized. With `vision`, image parts are decoded and
+    prepared here and their placeholders expanded (server/chat/images.py)."""
     plan = chat_prompt.tool_plan(req.tools, req.tool_choice, req.functions, req.function_call)
-    messages = chat_prompt.message_dicts(req.messages)
+    found = ImageParts() if vision is not None else None
+    messages = chat_prompt.message_dicts(req.messages, found)
+    prepared = chat_images.prepare_all(found, vision) if found is not None and found.parts else []
     check_chars(message_chars(messages), context_length, template.tokenizer, "messages")
     kwargs, add_gen = chat_prompt.template_kwargs(req.chat_template_kwargs, req.add_generation_prompt,
                                                   req.reasoning_effort)
     if req.continue_final_message and req.add_generation_prompt is None:
         add_gen = False
     prompt = chat_prompt.render(template, messages, plan.tools, add_gen, kwargs, req.continue_final_message)
-    check_tokens(len(prompt.token_ids), context_length, "messages")
+    ids, starts, images = list(prompt.token_ids), list(prompt.message_starts), []
+    if prepared:
+        assert vision is not None
+        ids, starts, images = chat_images.expand(ids, starts, prepared, vision.spec)
+    check_tokens(len(ids), context_length, "messages")
     rf = req.response_format
     fmt = json_format(rf.type if rf else None, rf.json_schema.schema_ if rf and rf.json_schema else None,
                       rf.json_schema.strict if rf and rf.json_schema else None, "response_format")
@@ -89,8 +99,7 @@ def plan_with(template: ChatTemplate, req: ChatCompletionRequest,
     echo = ""
     if req.echo and messages[-1]["role"] == "assistant":
         echo = messages[-1].get("content") or ""
-    return ChatPlan(list(prompt.token_ids), list(prompt.message_starts), plan, grammar, so.max_calls, echo,
-                    so.warning)
+    return ChatPlan(ids, starts, plan, grammar, so.max_calls, echo, so.warning, images)
 
 
 # ---- in the worker process ----------------------------------------------------------------------------
@@ -126,9 +135,9 @@ def _render_entry(key: int, setup: bytes | None, limits: tuple[float, int], args
 
 
 def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, int],
-                   arg: tuple[bytes, int | None]) -> Any:
+                   arg: tuple[bytes, int | None, VisionSetup | None]) -> Any:
     """A large body: ("invalid", errors) | ("ok", request with messages[-1:], fields, plan, plan error)."""
-    raw, context_length = arg
+    raw, context_length, vision = arg
     template = None
     if key is not None:
         template = _worker_template(key, setup, limits)
@@ -142,7 +151,7 @@ def _prepare_entry(key: int | None, setup: bytes | None, limits: tuple[float, in
     plan = error = None
     if template is not None:
         try:
-            plan = plan_with(template, req, context_length)
+            plan = plan_with(template, req, context_length, vision)
         except APIError as e:
             error = e
         except Exception:  # noqa: BLE001  (raised where the route plans: a 500 there, as before)
@@ -202,9 +211,10 @@ async def plan_chat(state: ServerState, req: ChatCompletionRequest) -> ChatPlan:
     """plan_with the server's template, in a worker process."""
     template = state.chat_template()
     context_length = state.ready_engine().context_length
+    vision = state.vision_setup()
     if await _setup(template) is None:
-        return await run_cpu(plan_with, template, req, context_length)
-    return await _call(_plan_entry, template, (req, context_length))
+        return await run_cpu(plan_with, template, req, context_length, vision)
+    return await _call(_plan_entry, template, (req, context_length, vision))
 
 
 async def render(template: ChatTemplate, *args: Any) -> ChatPrompt:
@@ -250,7 +260,7 @@ async def chat_body(request: Request) -> ChatBody:
     if template is not None and await _setup(template) is None:
         return ChatBody(await validate_off_loop(ChatCompletionRequest, raw))
     context_length = state.engine.context_length if state.engine is not None else None
-    out = await _call(_prepare_entry, template, (raw, context_length))
+    out = await _call(_prepare_entry, template, (raw, context_length, state.vision_setup()))
     if out[0] == "invalid":
         raise invalid_body(out[1], raw)
     _, req, fields, plan, error = out

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from swaserve.server.chat.images import PARAM_KEY
 from swaserve.server.errors import bad_request
 from swaserve.server.protocol import (
     ChatMessage,
@@ -46,19 +47,27 @@ class ResponsesRequest(SamplingFields):
     prompt_: dict[str, Any] | None = Field(default=None, alias="prompt")
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """An item's content as chat content: a string, or parts when it holds an image (input_image)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image":  # errors name it where the client put it
+                parts.append({**part, PARAM_KEY: f"{where}.content[{j}]"})
+                continue
             if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-                raise bad_request(f"content part type {kind!r} is not supported (text only)",
+                raise bad_request(f"content part type {kind!r} is not supported (text and input_image only)",
                                   f"{where}.content[{j}].type")
             texts.append(str(part.get("text", "")))
+            parts.append({"type": "text", "text": texts[-1]})
+        if len(parts) > len(texts):
+            return parts
         return "\n".join(texts)
     raise bad_request("content must be a string or a list of parts", f"{where}.content")
 

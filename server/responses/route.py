@@ -103,7 +103,8 @@ async def _respond(state: ServerState, req: ResponsesRequest, request: Request, 
                           mark_special_tokens=True, grammar=cp.grammar)
     choice = ChatChoice(ChatOutputParser(cp.plan.parse, not req.skip_special_tokens, cp.max_calls,
                                          cp.plan.forced_names()))
-    gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts)
+    images = {"images": cp.images} if cp.images else {}  # an engine client without images takes none
+    gen = engine.generate(rid, cp.prompt_ids, params, anchors=cp.message_starts, **images)
     stream = OutputStream(engine, [(rid, gen)])
     ctx = _Ctx(state, req, rid, model, choice, tracker, rename)
     ctx.keep = _Keeper(store, owner, prev, req) if store.enabled and req.store is not False else None

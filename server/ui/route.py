@@ -39,8 +39,23 @@ def _state(request: Request) -> ServerState:
 
 
 def _preview(tokenizer: Any, ids: list[int]) -> str:
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    text = " ".join(text.split())  # one line
+    """One line of a node's text; an image's soft tokens (pad ids past the vocabulary) as one
+    `[image 3fa2c1… N tokens]`, tagged by its first pad id (a hash of the image's content)."""
+    V = tokenizer.vocab_size
+    parts: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        if ids[i] >= V:
+            while j < len(ids) and ids[j] >= V:
+                j += 1
+            parts.append(f" [image {ids[i] - V:010x}\u2026 {j - i} tokens] ")
+        else:
+            while j < len(ids) and ids[j] < V:
+                j += 1
+            parts.append(tokenizer.decode(ids[i:j], skip_special_tokens=False))
+        i = j
+    text = " ".join("".join(parts).split())  # one line
     return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS - 1] + "\u2026"
 
 

@@ -256,8 +256,10 @@ class PagedRunner:
         self.pool = KVPool(cfg, n, n, page_size, kv_dtype, torch.device("cpu"))
         self.lens: dict[int, int] = {}
 
-    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """Run new tokens of several sequences in one batch -> fp32 logits [n_i, V] per chunk."""
+    def step(self, chunks: list[tuple[int, list[int]]],
+             images: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Run new tokens of several sequences in one batch -> fp32 logits [n_i, V] per chunk; `images`:
+        (flat row index, rows) of image soft tokens, as Gemma4Model.forward takes them."""
         P, W = self.P, self.cfg.sliding_window
         ids, pos, slots, prefixes, qlens = [], [], [], [], []
         full_pt = torch.full((len(chunks), self.pps), -1, dtype=torch.int64)
@@ -280,6 +282,6 @@ class PagedRunner:
         positions = torch.cat(pos)
         slot_t = torch.cat(slots)
         meta = AttentionMetadata(P, W, qlens, prefixes, positions, slot_t, slot_t.clone(), full_pt, swa_pt)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, images=images)
         logits = self.model.logits(hidden)
         return list(torch.split(logits, qlens))

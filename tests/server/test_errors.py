@@ -65,6 +65,8 @@ def _chat(**kw) -> dict:
     (_chat(stop=5), "stop"),
     (_chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]"),  # not a URL of any kind
+    (_chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]),
      "messages[0].content[0].type"),
     ({"model": SERVED, "max_tokens": 2}, "messages"),
 ])

@@ -100,6 +100,8 @@ def test_function_call_streamed(client: openai.OpenAI):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),  # not a URL of any kind
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
      "input[0].content[0].type"),
 ])
 def test_responses_400(server: LiveServer, extra, param):
