@@ -10,8 +10,10 @@ from fastapi.responses import JSONResponse, Response
 from swaserve.engine.text.tokenizer import Tokenizer
 from swaserve.server import json_out
 from swaserve.server.body import json_body
+from swaserve.server.chat import images as chat_images
 from swaserve.server.chat import prompt as chat_prompt
 from swaserve.server.chat import worker as chat_worker
+from swaserve.server.chat.images import ImageParts
 from swaserve.server.errors import APIError, bad_request
 from swaserve.server.json_out import json_response
 from swaserve.server.metrics import CONTENT_TYPE
@@ -70,7 +72,9 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
         plan = chat_prompt.tool_plan(body.tools, None)
-        msgs = await run_cpu(chat_prompt.message_dicts, body.messages)  # O(messages): off the loop
+        vision = state.vision_setup()
+        found = ImageParts() if vision is not None else None
+        msgs = await run_cpu(chat_prompt.message_dicts, body.messages, found)  # O(messages): off the loop
         kwargs, add_gen = chat_prompt.template_kwargs(body.chat_template_kwargs, body.add_generation_prompt,
                                                       None)
         if body.continue_final_message:
@@ -79,9 +83,13 @@ async def tokenize(body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRe
         await run_cpu(_check_message_chars, msgs, engine.context_length, template.tokenizer)
         rendered = await chat_worker.render(template, msgs, plan.tools, add_gen, kwargs,
                                             body.continue_final_message)  # in a worker process
-        ids = list(rendered.token_ids)
+        ids, starts = list(rendered.token_ids), list(rendered.message_starts)
+        if found is not None and found.parts:  # each image's soft tokens, as a chat request counts them
+            assert vision is not None
+            prepared = await run_cpu(chat_images.prepare_all, found, vision)
+            ids, starts, _ = chat_images.expand(ids, starts, prepared, vision.spec)
         out = {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids,
-               "message_starts": list(rendered.message_starts)}
+               "message_starts": starts}
         return await json_response(out)
     assert body.prompt is not None
     tok = engine.tokenizer

@@ -139,3 +139,14 @@ def test_inspector_shows_image_spans(server: Any, client: openai.OpenAI) -> None
     with server.http() as h:
         state = h.get("/v1/cache/state", params={"top": 64}).json()
     assert any("[image " in n["preview"] for n in state["nodes"]), [n["preview"] for n in state["nodes"]]
+
+
+def test_tokenize_counts_image_tokens(server: Any, client: openai.OpenAI) -> None:
+    url = data_url((5, 5, 250))
+    r = ask(client, url, "Count?")
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Count?"}]}]
+    with server.http() as h:
+        t = h.post("/tokenize", json={"model": SERVED, "messages": messages}).json()
+    assert t["count"] == r.usage.prompt_tokens
