@@ -150,3 +150,17 @@ def test_tokenize_counts_image_tokens(server: Any, client: openai.OpenAI) -> Non
     with server.http() as h:
         t = h.post("/tokenize", json={"model": SERVED, "messages": messages}).json()
     assert t["count"] == r.usage.prompt_tokens
+
+
+def test_image_in_a_tool_result(client: openai.OpenAI) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "Take a screenshot and describe it."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [
+                {"type": "text", "text": "screenshot taken"},
+                {"type": "image_url", "image_url": {"url": data_url((120, 120, 120))}}]}]
+    tools = [{"type": "function", "function": {"name": "screenshot", "parameters": {"type": "object"}}}]
+    with_image = client.chat.completions.create(model=SERVED, max_tokens=2, messages=msgs, tools=tools)
+    msgs[2]["content"] = "screenshot taken"
+    text_only = client.chat.completions.create(model=SERVED, max_tokens=2, messages=msgs, tools=tools)
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens + 20  # the image's soft tokens
