@@ -43,8 +43,7 @@ def llama_cpp_embeddings(model: str, mmproj: str, png: bytes, threads: int) -> d
     ctx = mtmd.mtmd_init_from_file(mmproj.encode(), llm._model.model, params)
     if not ctx:
         return {"loaded": False}
-    out: dict = {"loaded": True, "vision": bool(mtmd.mtmd_support_vision(ctx)),
-                 "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx))}
+    out: dict = {"loaded": True, "vision": bool(mtmd.mtmd_support_vision(ctx))}
     buf = (ctypes.c_uint8 * len(png)).from_buffer_copy(png)
     bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(png), False)
     chunks = mtmd.mtmd_input_chunks_init()
@@ -61,13 +60,14 @@ def llama_cpp_embeddings(model: str, mmproj: str, png: bytes, threads: int) -> d
             out.setdefault("text_tokens", 0)
             out["text_tokens"] += n
             continue
+        out["non_causal"] = bool(mtmd.mtmd_decode_use_non_causal(ctx, chunk))
         out["encode_rc"] = mtmd.mtmd_encode_chunk(ctx, chunk)
         ptr = mtmd.mtmd_get_output_embd(ctx)
         out["embd"] = np.ctypeslib.as_array(ptr, shape=(n * n_embd,)).reshape(n, n_embd).copy()
     return out
 
 
-def our_embeddings(mmproj: str, png: bytes) -> np.ndarray:
+def our_embeddings(mmproj: str, png: bytes, max_soft_tokens: int | None = None) -> np.ndarray:
     import torch
     from PIL import Image
 
@@ -77,7 +77,8 @@ def our_embeddings(mmproj: str, png: bytes) -> np.ndarray:
 
     cfg, tensors = load_mmproj(mmproj)
     p = prepare_image(Image.open(io.BytesIO(png)), patch_size=cfg.patch_size,
-                      pooling_kernel_size=cfg.pooling_kernel_size, max_soft_tokens=cfg.max_soft_tokens)
+                      pooling_kernel_size=cfg.pooling_kernel_size,
+                      max_soft_tokens=max_soft_tokens or cfg.max_soft_tokens)
     enc = Gemma4Vision(cfg, tensors)
     return enc.encode(torch.from_numpy(p.pixel_values), torch.from_numpy(p.position_ids)).numpy()
 
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the text GGUF the projector belongs to")
     ap.add_argument("--mmproj", required=True)
-    ap.add_argument("--side", type=int, default=336,
-                    help="image side in pixels (336: 7 x 7 = 49 soft tokens)")
+    ap.add_argument("--side", type=int, default=432,
+                    help="image side in pixels (432: 27 x 27 patches, 9 x 9 = 81 soft tokens, a size "
+                         "llama.cpp's gemma4v keeps)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-python", default=sys.executable, help="a python with llama-cpp-python")
     ap.add_argument("--child", nargs=2, metavar=("PNG", "OUT"), help=argparse.SUPPRESS)
@@ -124,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         theirs["embd"] = np.asarray(theirs["embd"], dtype=np.float32)
     rows = [("llama.cpp loads the mmproj", theirs.get("loaded"))]
     if theirs.get("loaded"):
-        ours = our_embeddings(a.mmproj, png)
         got = theirs.get("embd")
+        # llama.cpp keeps its own token budget (the file's swaserve.vision.max_soft_tokens is ours): ours
+        # gets llama.cpp's count, so that both encode the same pixels when the image needs no resize
+        ours = our_embeddings(a.mmproj, png, None if got is None else got.shape[0])
         rows += [("vision input", theirs["vision"]), ("non-causal image attention", theirs["non_causal"]),
                  ("tokenize rc / encode rc", f"{theirs['tokenize_rc']} / {theirs.get('encode_rc')}"),
                  ("soft tokens llama.cpp / swaserve",
