@@ -111,3 +111,17 @@ def test_arrival_offsets_poisson():
 def test_bad_input_raises_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_fanout_image_shares_one_image_per_group():
+    wl = W.fanout(3, 3, 32, 8, 4, seed=1, image_size=32)
+    assert wl.name == "fanout-image" and wl.params["image_size"] == 32
+    by_group: dict[str, set] = {}
+    for ph in wl.phases:
+        for s in ph.sessions:
+            (turn,) = s.turns
+            assert turn.image is not None and turn.image.startswith("data:image/png;base64,")
+            by_group.setdefault(s.key.split("/")[1], set()).add(turn.image)
+    assert all(len(v) == 1 for v in by_group.values())  # one image per group ...
+    assert len({next(iter(v)) for v in by_group.values()}) == 3  # ... its own
+    assert W.fanout(3, 3, 32, 8, 4, seed=1, image_size=32).phases == wl.phases  # seeded
