@@ -90,7 +90,6 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
     if path is None:
         return None, None
     from swaserve.engine.config import VisionSpec
-    from swaserve.engine.text.tokenizer import Tokenizer
     from swaserve.models.gemma4_vision import Gemma4Vision
     from swaserve.models.mmproj import load_mmproj
 
@@ -98,12 +97,13 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
     if vcfg.text_hidden_size != text_cfg.hidden_size:
         raise ValueError(f"{path}: the projector writes {vcfg.text_hidden_size}-wide embeddings but the "
                          f"model's hidden size is {text_cfg.hidden_size}: not this model's mmproj")
-    tok = Tokenizer.from_metadata(meta)
-    image_id = tok.piece_to_id("<|image|>")
-    if image_id is None:
+    # the image tokens' ids, by one scan of the vocabulary (the engine builds the tokenizer itself)
+    wanted = ("<|image|>", "<|image>", "<image|>")
+    ids = {t: i for i, t in enumerate(meta.get("tokenizer.ggml.tokens") or ()) if t in wanted}
+    if "<|image|>" not in ids:
         raise ValueError(f"--mmproj {path}: the model's vocabulary has no <|image|> token")
-    spec = VisionSpec(vcfg.patch_size, vcfg.pooling_kernel_size, vcfg.max_soft_tokens, image_id,
-                      tok.piece_to_id("<|image>"), tok.piece_to_id("<image|>"))
+    spec = VisionSpec(vcfg.patch_size, vcfg.pooling_kernel_size, vcfg.max_soft_tokens, ids["<|image|>"],
+                      ids.get("<|image>"), ids.get("<image|>"))
     log.info("image encoder %s: %d layers, up to %d soft tokens an image", Path(path).name, vcfg.num_layers,
              vcfg.max_soft_tokens)
     return Gemma4Vision(vcfg, tensors, device), spec

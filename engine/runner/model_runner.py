@@ -16,13 +16,10 @@ from swaserve.engine.runner.staging import pack_to_device, to_device
 from swaserve.engine.text.grammar import GrammarBackend, GrammarState
 
 
-def _vocab_ids(r: Req) -> list[int]:
-    """The prompt's ids for the repetition penalty: an image's pad ids are no token."""
+def _vocab_ids(r: Req, vocab: int) -> list[int]:
+    """The prompt's ids for the repetition penalty: an image's pad ids (all >= vocab) are no token."""
     ids = r.token_ids[:r.prompt_len]
-    if not r.images:
-        return ids
-    spans = [(im.offset, im.offset + im.length) for im in r.images]
-    return [t for i, t in enumerate(ids) if not any(a <= i < b for a, b in spans)]
+    return [t for t in ids if t < vocab] if r.images else ids
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,7 +136,7 @@ class ModelRunner:
                 banned = sorted(r.stop_ids)  # a finished grammar allows only EOS: it wins over min_tokens
             penal = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             rows.append(SampleRow(p, r.generator if p.temperature > 0 else None,  # type: ignore[arg-type]
-                                  _vocab_ids(r) if p.repetition_penalty != 1.0 else (),
+                                  _vocab_ids(r, logits.shape[1]) if p.repetition_penalty != 1.0 else (),
                                   r.output_ids if penal else (), banned))
         bitmask = self.grammar.fill(states) if states and self.grammar is not None else None
         for j, st in zip(grammar_rows, states):  # a matcher that failed fails its request (GrammarFailed)
