@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from swaserve.engine.attention.kv_pool import KVPool
+from swaserve.engine.quant import native_ops
 from swaserve.engine.quant.kv_quant import encode
 
 
@@ -99,8 +100,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """k_cache[slots] = k, v_cache[slots] = v (k, v [T, KVH, D] values; caches [S, KVH, R] pool views),
     each converted to its view's type."""
     for cache, x in ((k_cache, k), (v_cache, v)):
+        if _native_q8(cache, x, slots):  # the same bytes in one native call (CPU decode steps)
+            native_ops.kv_store_q8(cache, slots, x.float().contiguous())
+            continue
         rows = encode(x, cache.dtype)  # [T, KVH, R]
         if cache.element_size() == 1:  # q8_0 bytes, fp8 (torch has no fp8 index_copy_): as bytes
             cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
         cache.index_copy_(0, slots, rows)
 
+
+
+def _native_q8(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether a q8_0 write goes through native_ops.kv_store_q8 (bit-exact with the torch quantizer)."""
+    return (cache.dtype == torch.uint8 and x.device.type == "cpu" and slots.dtype == torch.int64
+            and slots.is_contiguous() and native_ops.available() and native_ops.kv_view_ok(cache, x.shape[-1]))

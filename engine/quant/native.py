@@ -61,6 +61,7 @@ _SIGNATURES = {
     "swa_decode_attn": ([_P, _P, _I, _I, _I, _I, _P, _I, _I, ctypes.c_int, _P, _I, _I, ctypes.c_int, _P, _I,
                          _P, _P, ctypes.c_int], None),
     "swa_kv_gather": ([_P, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "swa_kv_store_q8": ([_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int], None),
 }
 
 

@@ -2,7 +2,7 @@
 native_q4.c and called through engine/quant/native.py: fp32 RMS norms (optionally added into the
 residual stream), the per-head q/k norm + NeoX rope in place, the layer tail after the two FFN branches,
 decode attention straight from the paged KV pool (no gathered copy; fp32 / fp16 / bf16 / q8_0 K and V)
-and the prefill's gather + dequantize of pool rows. Each replaces 5-20 small torch
+the prefill's gather + dequantize of pool rows and the q8_0 write of new K/V rows. Each replaces 5-20 small torch
 ops per call. Numerics are fp32 like the torch code they replace; sums run in a different order (8
 lanes, then the lanes), so results differ from it in the last bits: models/gemma4.py uses them on the
 native CPU path only (which already quantizes activations), the exact path keeps the torch ops.
@@ -230,6 +230,30 @@ void swa_kv_gather(const void* src, int64_t rs, int64_t hs, int kt, const int64_
         const uint8_t* row = base + slots[it / KVH] * rs + (it % KVH) * hs;
         float* o = out + it * D;
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, load_kv(row, d, kt));
+    }
+}
+
+/* The pool rows at slots[0 .. T) = q8_0 blocks of x [T, KVH, D] fp32 (head row (slot, kv head) at byte
+   slot * rs + kv_head * hs): llama.cpp's reference quantizer (quantize_row_q8_0_ref), bit-exact with
+   engine/quant/kv_quant.py quantize_q8_0: d = amax / 127, q = roundf(x * (1 / d)), d stored as fp16
+   (round to nearest even). The decode step's K/V write, one call instead of ~12 torch ops per side. */
+void swa_kv_store_q8(const float* x, int64_t T, int64_t KVH, int64_t D, uint8_t* dst, int64_t rs, int64_t hs,
+                     const int64_t* slots, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * KVH * D > 65536)
+    for (int64_t it = 0; it < T * KVH; ++it) {
+        const float* src = x + it * D;
+        uint8_t* row = dst + slots[it / KVH] * rs + (it % KVH) * hs;
+        for (int64_t b = 0; b < D / 32; ++b) {
+            const float* xb = src + b * 32;
+            uint8_t* blk = row + b * 34;
+            float amax = 0.f;
+            for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.f;
+            const float inv = d != 0.f ? 1.f / d : 0.f;
+            const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+            memcpy(blk, &h, 2);
+            for (int j = 0; j < 32; ++j) blk[2 + j] = (uint8_t)(int8_t)roundf(xb[j] * inv);
+        }
     }
 }
 

@@ -124,6 +124,18 @@ def kv_gather(src: torch.Tensor, slots: torch.Tensor, d: int, out: torch.Tensor 
     return out
 
 
+def kv_store_q8(dst: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, threads: int | None = None) -> None:
+    """dst[slots] = q8_0 blocks of x (dst a uint8 [num_slots, KVH, D / 32 * 34] pool view as kv_gather
+    takes, slots [T] int64, x [T, KVH, D] fp32 contiguous), bit-exact with kv_quant.quantize_q8_0."""
+    t, kvh, d = x.shape
+    assert dst.dtype == torch.uint8 and kv_view_ok(dst, d) and dst.shape[1] == kvh
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == t
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+    if t:
+        native.load().swa_kv_store_q8(x.data_ptr(), t, kvh, d, dst.data_ptr(), dst.stride(0), dst.stride(1),
+                                      slots.data_ptr(), threads if threads is not None else torch.get_num_threads())
+
+
 def kv_dtype_ok(dtype: torch.dtype) -> bool:
     """Whether decode_attn reads KV pool views of this dtype (uint8: q8_0 blocks)."""
     return dtype in _KV_TYPES

@@ -89,3 +89,36 @@ def test_native_gather_equals_torch_dequantization(dtype: torch.dtype) -> None:
     slots = torch.tensor([7, 0, 39, 7, 12], dtype=torch.int64)
     got = native_ops.kv_gather(view, slots, 64)
     assert torch.equal(got, decode(stored[slots], torch.float32))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_q8_0_store_writes_the_gguf_bytes(seed: int) -> None:
+    """native_ops.kv_store_q8 (the CPU write of new K/V rows) into a strided pool view at scattered slots:
+    the bytes gguf.quants writes, the rows it does not name untouched."""
+    from swaserve.engine.quant import native_ops
+
+    x = rows(seed)  # [48, 2, 128]
+    wide = torch.full((64, 3, 128 // 32 * 34), 0xA5, dtype=torch.uint8)
+    view = wide[:, 1:]  # slot stride 3 head rows, the first head row of every slot not ours
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:48].contiguous()
+    native_ops.kv_store_q8(view, slots, x.contiguous())
+    want = quants.quantize(x.numpy().reshape(-1, 128), GGMLQuantizationType.Q8_0).reshape(48, 2, -1)
+    assert np.array_equal(view[slots].numpy(), want)
+    assert torch.equal(view[slots], quantize_q8_0(x))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((wide[:, 0] == 0xA5).all()) and bool((view[untouched] == 0xA5).all())
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_store_kv_takes_the_native_q8_0_write_with_the_same_bytes() -> None:
+    """base.store_kv on a CPU q8_0 pool (native write) == the torch quantizer's rows via index_copy_."""
+    from swaserve.engine.attention import base
+
+    k, v = rows(5, n=9), rows(6, n=9) * 3
+    kc, vc = (torch.zeros(16, 2, 136, dtype=torch.uint8) for _ in range(2))
+    slots = torch.tensor([15, 3, 4, 9, 0, 1, 2, 8, 11])
+    assert base._native_q8(kc, k, slots)
+    base.store_kv(kc, vc, slots, k.transpose(0, 1).contiguous().transpose(0, 1), v)  # a non-contiguous k
+    assert torch.equal(kc[slots], quantize_q8_0(k)) and torch.equal(vc[slots], quantize_q8_0(v))
