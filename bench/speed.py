@@ -55,7 +55,7 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                         "the engine's own default, a share of free memory, does not leave room for a peer)")
     p.add_argument("--kv-dtype", default="auto",
                    help="swaserve's KV dtypes, comma-separated (one run each, columns side by side): auto "
-                        "(fp16 on CPU), bf16, fp16, fp32, q8_0")
+                        "(q8_0 on CPU), bf16, fp16, fp32, q8_0")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine before it is stopped")
     p.add_argument("--json", default=None, help="also write the results to this file")
 

@@ -98,11 +98,11 @@ def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> i
 
 
 def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, context_length: int,
-                  device: torch.device) -> PoolPlan:
+                  device: torch.device, cpu_matmul: str = "native") -> PoolPlan:
     """The arena's size and SWA cap (see the module docstring); ValueError when explicit sizes are too
     small."""
     page_size = cache.page_size
-    fmt = kv_format_of(cache, device)  # --kv-cache-dtype (-k, -v)
+    fmt = kv_format_of(cache, device, cpu_matmul)  # --kv-cache-dtype (-k, -v)
     full_bytes, swa_bytes = bytes_per_token(cfg, fmt)
     k, _, swa_record = arena_geometry(cfg, fmt)
     block_bytes = page_size * swa_record * fmt.buffer_dtype.itemsize
@@ -190,7 +190,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         torch.cuda.empty_cache()
         graph_hold = torch.empty(graph_bytes, dtype=torch.uint8, device=device)  # a fresh block, held
     reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
-    plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
+    plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device, cfg.cpu_matmul)
     P = cache_cfg.page_size
     capacity = (plan.num_blocks - _cdiv(model_cfg.sliding_window, P) - 2) * plan.full_per_block * P
     if context > capacity:

@@ -65,7 +65,7 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
         raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     device = resolve_device(cfg.device)
-    kv_format_of(cfg.cache, device)  # a --kv-cache-dtype this device cannot serve fails before the load
+    kv_format_of(cfg.cache, device, cfg.cpu_matmul)  # a --kv-cache-dtype this device cannot serve fails before the load
     t0 = time.monotonic()
     log.info("loading %s", path)
     loaded = arch.load(file, progress)

@@ -19,13 +19,18 @@ from swaserve.engine.config import CacheConfig
 Q8_BLOCK = 32  # values per q8_0 block
 Q8_BLOCK_BYTES = 34  # fp16 scale + 32 int8
 FLAG = "--kv-cache-dtype"
-# what `auto` stores per device type: fp16 on CPU (the most accurate 2-byte type; its forced-sequence
-# error is within llama.cpp's own -ctk/-ctv f16 one: docs/benchmarks.md, KV accuracy), bf16 on CUDA
-AUTO = {"cpu": "fp16", "cuda": "bf16"}
+# what `auto` stores per device type: q8_0 on CPU (the smallest type whose forced-sequence error stays
+# within llama.cpp's own -ctk/-ctv f16 one, at fp16's decode speed: docs/benchmarks.md, KV accuracy),
+# except fp16 under --cpu-matmul exact (the accuracy path); bf16 on CUDA
+AUTO = {"cpu": "q8_0", "cuda": "bf16"}
+AUTO_EXACT_CPU = "fp16"
 
 
-def auto_type(device: torch.device) -> str:
-    """The KV type `--kv-cache-dtype auto` names on `device` (fp16 on CPU and elsewhere, bf16 on CUDA)."""
+def auto_type(device: torch.device, cpu_matmul: str = "native") -> str:
+    """The KV type `--kv-cache-dtype auto` names on `device`: bf16 on CUDA; on CPU (and elsewhere) q8_0,
+    fp16 with `--cpu-matmul exact`."""
+    if device.type != "cuda" and cpu_matmul == "exact":
+        return AUTO_EXACT_CPU
     return AUTO.get(device.type, AUTO["cpu"])
 
 
@@ -107,10 +112,11 @@ def as_format(kv: KVFormat | torch.dtype) -> KVFormat:
     return KVFormat(_BY_DTYPE[kv], _BY_DTYPE[kv])
 
 
-def kv_format(name: str, device: torch.device, k: str | None = None, v: str | None = None) -> KVFormat:
+def kv_format(name: str, device: torch.device, k: str | None = None, v: str | None = None,
+              cpu_matmul: str = "native") -> KVFormat:
     """The format `--kv-cache-dtype name` (auto: auto_type) with the optional per-side
     `--kv-cache-dtype-k` / `--kv-cache-dtype-v` overrides; ValueError naming the flag for a bad value."""
-    base = auto_type(device) if name == "auto" else name
+    base = auto_type(device, cpu_matmul) if name == "auto" else name
     sides = []
     for flag, side in ((FLAG, base), (FLAG + "-k", k or base), (FLAG + "-v", v or base)):
         if side not in KV_TYPES:
@@ -122,6 +128,7 @@ def kv_format(name: str, device: torch.device, k: str | None = None, v: str | No
     return KVFormat(sides[1], sides[2])
 
 
-def kv_format_of(cache: CacheConfig, device: torch.device) -> KVFormat:
-    """The format a CacheConfig asks for (kv_cache_dtype and its per-side overrides)."""
-    return kv_format(cache.kv_cache_dtype, device, cache.kv_cache_dtype_k, cache.kv_cache_dtype_v)
+def kv_format_of(cache: CacheConfig, device: torch.device, cpu_matmul: str = "native") -> KVFormat:
+    """The format a CacheConfig asks for (kv_cache_dtype and its per-side overrides; `auto` as auto_type
+    resolves it for the engine's --cpu-matmul)."""
+    return kv_format(cache.kv_cache_dtype, device, cache.kv_cache_dtype_k, cache.kv_cache_dtype_v, cpu_matmul)

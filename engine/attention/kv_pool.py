@@ -18,10 +18,10 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve_kv_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of a float KV type name (auto: kv_format.auto_type, fp16 on CPU, bf16 on CUDA); see
-    kv_format.kv_format for every type."""
+    """The torch dtype of a float KV type name (auto: the float type kv_format.auto_type names, fp16 on
+    CPU, bf16 on CUDA); see kv_format.kv_format for every type."""
     if name == "auto":
-        name = auto_type(device)
+        name = auto_type(device, "exact")
     if name not in _DTYPES:
         raise ValueError(f"unknown float kv cache dtype {name!r} (choose auto, bf16, fp16 or fp32)")
     return _DTYPES[name]

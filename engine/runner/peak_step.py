@@ -61,7 +61,7 @@ def run_peak_step(bundle: ModelBundle, cfg: EngineConfig) -> tuple[torch.Tensor,
     page_size = cfg.cache.page_size
     batch, num_pages = peak_batch(cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests,
                                   page_size)
-    pool = KVPool(mcfg, num_pages, num_pages, page_size, kv_format_of(cfg.cache, device), device)
+    pool = KVPool(mcfg, num_pages, num_pages, page_size, kv_format_of(cfg.cache, device, cfg.cpu_matmul), device)
     meta = build_metadata(batch, page_size, mcfg.sliding_window, device)
     ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=device)  # [T]
     hidden = model.forward(ids, meta, pool)  # [T, H]
@@ -99,7 +99,7 @@ def measure_graph_memory(bundle: ModelBundle, cfg: EngineConfig) -> int:
     device, mcfg, P = bundle.device, bundle.config, cfg.cache.page_size
     n = cfg.scheduler.max_running_requests
     batch, pages = peak_batch(1, n - 1, P)  # n rows of one new token each
-    pool = KVPool(mcfg, pages, pages, P, kv_format_of(cfg.cache, device), device)
+    pool = KVPool(mcfg, pages, pages, P, kv_format_of(cfg.cache, device, cfg.cpu_matmul), device)
     meta = build_metadata(batch, P, mcfg.sliding_window, device)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)

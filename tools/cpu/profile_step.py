@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--kv-dtype", default="auto", help="KV pool dtype: auto (fp16 on CPU), fp32, bf16, q8_0")
+    p.add_argument("--kv-dtype", default="auto", help="KV pool dtype: auto (q8_0 on CPU), fp32, bf16, q8_0")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     instrument(args.layers)

@@ -112,3 +112,14 @@ def test_fused_device_path_stores_q8_0() -> None:
     assert (codes(pool.buffer) - codes(ref_bytes)).abs().max().item() <= 1
     row_err = (got - ref).abs().max(1).values  # [T]
     assert (row_err < 2e-4).float().mean().item() >= 0.9 and row_err.max().item() < 5e-2, row_err
+
+
+def test_a_bare_cpu_engine_stores_q8_0_and_the_exact_path_fp16() -> None:
+    """What a bare `swaserve serve` gets on CPU (`--kv-cache-dtype auto`): q8_0 pools; fp16 with
+    `--cpu-matmul exact`, the accuracy path."""
+    bare = LLM(device="cpu")
+    assert bare.engine.pool.kv_format.name == "q8_0" and bare.engine.stats()["kv_cache_dtype"] == "q8_0"
+    bare.close()
+    exact = LLM(device="cpu", cpu_matmul="exact")
+    assert exact.engine.pool.kv_format.name == "fp16"
+    exact.close()

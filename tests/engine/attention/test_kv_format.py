@@ -81,16 +81,22 @@ def test_flags_and_per_side_types() -> None:
     c = _parse("--kv-cache-dtype", "q8_0", "--kv-cache-dtype-v", "fp16")
     assert kv_format_of(c, CPU) == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp16"])
     assert kv_format_of(c, CPU).name == "K q8_0 / V fp16"
-    c = _parse("--kv-cache-dtype-k", "q8_0")  # auto V: fp16 on CPU, bf16 on CUDA
+    c = _parse("--kv-cache-dtype-v", "fp16")  # auto K: q8_0 on CPU, bf16 on CUDA
     assert kv_format_of(c, CPU) == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp16"])
+    c = _parse("--kv-cache-dtype-k", "q8_0")  # auto V: fp16 under --cpu-matmul exact, bf16 on CUDA
+    assert kv_format_of(c, CPU, "exact") == KVFormat(KV_TYPES["q8_0"], KV_TYPES["fp16"])
     assert kv_format(c.kv_cache_dtype, torch.device("cuda"), "q8_0").v == KV_TYPES["bf16"]
     with pytest.raises(SystemExit):
         _parse("--kv-cache-dtype-v", "q4_0")
 
 
-def test_auto_is_fp16_on_cpu_and_fp32_stays_selectable() -> None:
-    """A bare `swaserve serve` on CPU stores fp16 KV (docs/benchmarks.md, KV accuracy); fp32 on request."""
-    assert kv_format_of(_parse(), CPU) == both("fp16") and auto_type(CPU) == "fp16"
+def test_auto_is_q8_0_on_cpu_fp16_on_the_exact_path_and_fp32_stays_selectable() -> None:
+    """A bare `swaserve serve` on CPU stores q8_0 KV (docs/benchmarks.md, KV accuracy), fp16 under
+    --cpu-matmul exact; fp32 on request."""
+    assert kv_format_of(_parse(), CPU) == both("q8_0") and auto_type(CPU) == "q8_0"
+    assert kv_format_of(_parse(), CPU, "fast") == both("q8_0")
+    assert kv_format_of(_parse(), CPU, "exact") == both("fp16") and auto_type(CPU, "exact") == "fp16"
+    assert kv_format("auto", torch.device("cuda"), cpu_matmul="exact") == both("bf16")
     assert kv_format("auto", torch.device("cuda")) == both("bf16")
     assert kv_format_of(_parse("--kv-cache-dtype", "fp32"), CPU) == both("fp32")
     assert resolve_kv_dtype("auto", CPU) == torch.float16
