@@ -38,7 +38,7 @@ from swaserve.engine.model_api import ModelBundle
 from swaserve.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
 from swaserve.engine.runner.images import ImageEmbedder
 from swaserve.engine.runner.model_runner import ModelRunner
-from swaserve.engine.runner.peak_step import max_chunk_tokens, measure_graph_memory, reserve_peak_step
+from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
 from swaserve.engine.text.chat_template import ChatTemplate, model_chat_template
 from swaserve.engine.text.template_sandbox import RenderLimits
@@ -91,15 +91,14 @@ class PoolPlan:
                 f"{2**30 / window:.1f} windows per GiB, {held:.1f} in this arena")
 
 
-def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig, chunk: int | None = None) -> int:
-    """SWA pages needed so that every running request can hold its window and one chunk can run (`chunk`
-    tokens: the step's largest prefill, peak_step.max_chunk_tokens; None: --chunked-prefill-size)."""
+def min_swa_pages(cfg: ModelConfig, page_size: int, sched: SchedulerConfig) -> int:
+    """SWA pages needed so that every running request can hold its window and one chunk can run."""
     per_req = _cdiv(cfg.sliding_window, page_size) + 2
-    return sched.max_running_requests * per_req + _cdiv(chunk or sched.chunked_prefill_size, page_size) + 1
+    return sched.max_running_requests * per_req + _cdiv(sched.chunked_prefill_size, page_size) + 1
 
 
 def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, context_length: int,
-                  device: torch.device, chunk: int | None = None) -> PoolPlan:
+                  device: torch.device) -> PoolPlan:
     """The arena's size and SWA cap (see the module docstring); ValueError when explicit sizes are too
     small."""
     page_size = cache.page_size
@@ -108,9 +107,9 @@ def plan_kv_pools(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, 
     k, _, swa_record = arena_geometry(cfg, fmt)
     block_bytes = page_size * swa_record * fmt.buffer_dtype.itemsize
     ratio = cache.swa_full_tokens_ratio if cache.swa_full_tokens_ratio is not None else SIZING_RATIO
-    need_swa = min_swa_pages(cfg, page_size, sched, chunk)
+    need_swa = min_swa_pages(cfg, page_size, sched)
     # the running windows and a chunk, and full pages for a chunk
-    need_blocks = need_swa + _cdiv(_cdiv(chunk or sched.chunked_prefill_size, page_size) + 1, k)
+    need_blocks = need_swa + _cdiv(_cdiv(sched.chunked_prefill_size, page_size) + 1, k)
     explicit = cache.full_tokens is not None or cache.kv_cache_memory_gb is not None
     if cache.full_tokens is not None:
         full_tokens = cache.full_tokens
@@ -191,7 +190,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         torch.cuda.empty_cache()
         graph_hold = torch.empty(graph_bytes, dtype=torch.uint8, device=device)  # a fresh block, held
     reserve_peak_step(bundle, cfg)  # CUDA: the largest step's activations stay out of the pool budget
-    plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device, max_chunk_tokens(cfg, bundle))
+    plan = plan_kv_pools(model_cfg, cache_cfg, sched_cfg, context, device)
     P = cache_cfg.page_size
     capacity = (plan.num_blocks - _cdiv(model_cfg.sliding_window, P) - 2) * plan.full_per_block * P
     if context > capacity:
