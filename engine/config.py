@@ -96,6 +96,8 @@ class VisionSpec:
     image_token_id: int
     boi_token_id: int | None
     eoi_token_id: int | None
+    # an image's soft tokens attend to each other on the sliding layers (Req.attn_blocks)
+    bidirectional_attention: bool = False
 
 
 @dataclass(frozen=True)

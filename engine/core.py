@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -201,6 +202,19 @@ def image_pad_ids(key: int, length: int, vocab: int) -> list[int]:
     return out[:length]
 
 
+def image_blocks(images: Sequence[ImageInput]) -> tuple[tuple[int, int], ...]:
+    """The [start, end) prompt spans whose tokens attend to each other on the sliding layers when image
+    attention is bidirectional: one per run of soft tokens (touching images merge, as transformers groups
+    consecutive image tokens of mm_token_type_ids into one block; begin / end tokens are text)."""
+    out: list[tuple[int, int]] = []
+    for im in images:
+        if out and out[-1][1] == im.offset:
+            out[-1] = (out[-1][0], im.offset + im.length)
+        elif im.length > 0:
+            out.append((im.offset, im.offset + im.length))
+    return tuple(out)
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -250,6 +264,10 @@ class Req:
     params: SamplingParams
     anchors: tuple[int, ...] = ()
     images: tuple[ImageInput, ...] = ()  # ordered, disjoint spans; their token ids are image_pad_ids
+    # bidirectional image attention (image_blocks of `images`; empty: causal everywhere): the spans whose
+    # tokens see each other on the sliding layers. A prefill chunk never ends strictly inside one
+    # (chunk_end), so each span's uncomputed tokens are computed in one chunk.
+    attn_blocks: tuple[tuple[int, int], ...] = ()
     max_len: int = 0  # token_ids may grow to this length (prompt + max_tokens, within the context)
     stop_ids: frozenset[int] = frozenset()  # eos ids (unless ignore_eos) + params.stop_token_ids
     seed: int = 0  # generator seed (params.seed, or derived from the engine seed)
@@ -308,6 +326,15 @@ class Req:
         """The most tokens admission may reuse from the prefix cache: a request computing prompt logprobs
         runs every row it has no logprob of yet (None = no limit)."""
         return len(self.prompt_logprobs) if self.prompt_rows_needed else None
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """The end of a prefill chunk [start, end) moved off any attn_block it would split: back to the
+        block's start when the chunk begins before it, else on to the block's end (past the step's budget:
+        an image is computed in one chunk, so a chunk may exceed --chunked-prefill-size by one image)."""
+        for lo, hi in self.attn_blocks:
+            if lo < end < hi:
+                return lo if start < lo else hi
+        return end
 
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """The prompt logprobs (first token None) for the choice's first output, once all are in; None

@@ -76,6 +76,8 @@ class Engine:
         self.chat_template = parts.chat_template
         self.render_limits = RenderLimits.of(cfg)  # also for --chat-template (server/state.py)
         self.vision_spec: VisionSpec | None = parts.vision_spec
+        # the loaded encoder's image soft tokens attend to each other on the sliding layers (Req.attn_blocks)
+        self.bidirectional_images = self.vision_spec is not None and self.vision_spec.bidirectional_attention
         self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.model_config.vocab_size,
                                             self.context_length, self.vision_spec is not None)
         self.eos_ids = parts.eos_ids
@@ -121,7 +123,7 @@ class Engine:
         reqs = make_reqs(request_id, [int(t) for t in prompt_ids], params, context_length=self.context_length,
                          eos_ids=self.eos_ids, seed=seed, anchors=anchors,
                          share_prompt=self.cache.reuses_prefixes, images=images,
-                         vocab=self.model_config.vocab_size)
+                         vocab=self.model_config.vocab_size, bidirectional_images=self.bidirectional_images)
         now = time.monotonic()
         for r in reqs:
             r.arrival_time = now

@@ -103,7 +103,8 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
     if "<|image|>" not in ids:
         raise ValueError(f"--mmproj {path}: the model's vocabulary has no <|image|> token")
     spec = VisionSpec(vcfg.patch_size, vcfg.pooling_kernel_size, vcfg.max_soft_tokens, ids["<|image|>"],
-                      ids.get("<|image>"), ids.get("<image|>"))
-    log.info("image encoder %s: %d layers, up to %d soft tokens an image", Path(path).name, vcfg.num_layers,
-             vcfg.max_soft_tokens)
+                      ids.get("<|image>"), ids.get("<image|>"), vcfg.bidirectional_attention)
+    log.info("image encoder %s: %d layers, up to %d soft tokens an image, %s image attention",
+             Path(path).name, vcfg.num_layers, vcfg.max_soft_tokens,
+             "bidirectional" if vcfg.bidirectional_attention else "causal")
     return Gemma4Vision(vcfg, tensors, device), spec

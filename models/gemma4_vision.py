@@ -49,6 +49,9 @@ class VisionConfig:
     standardize: bool = False
     text_hidden_size: int = 2304
     max_soft_tokens: int = 280
+    # the text model's sliding layers let an image's soft tokens attend to each other (transformers:
+    # text_config.use_bidirectional_attention == "vision"; llama.cpp: always for gemma4v)
+    bidirectional_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -25,8 +25,11 @@ Verified against llama.cpp sources:
   maps [0, 1] to [-1, 1] itself, tools/mtmd/models/gemma4v.cpp).
 
 Not llama.cpp keys (swaserve's own, optional, read with defaults): `swaserve.vision.rope_theta`
-(default 100) and `swaserve.vision.max_soft_tokens` (default 280; llama.cpp fixes its own token limits).
-Nothing here is guessed beyond those two keys and writing clip.use_gelu = true (the key is llama.cpp's;
+(default 100), `swaserve.vision.max_soft_tokens` (default 280; llama.cpp fixes its own token limits) and
+`swaserve.vision.bidirectional_attention` (default true: llama.cpp decodes gemma4v image tokens
+non-causally, mtmd_decode_use_non_causal; false = causal, what transformers does for a text config without
+`use_bidirectional_attention: "vision"`).
+Nothing here is guessed beyond those keys and writing clip.use_gelu = true (the key is llama.cpp's;
 that gemma4v needs it set is inferred from the model's gelu-tanh MLP and clip.cpp's ffn_op selection).
 """
 
@@ -119,6 +122,7 @@ def load_mmproj(path: str | Path) -> tuple[VisionConfig, dict[str, np.ndarray]]:
         standardize="v.std_bias" in tensors and "v.std_scale" in tensors,
         text_hidden_size=int(need("clip.vision.projection_dim")),
         max_soft_tokens=int(_field(reader, "swaserve.vision.max_soft_tokens") or 280),
+        bidirectional_attention=_field(reader, "swaserve.vision.bidirectional_attention") in (None, True),
     )
     for name, shape in expected_shapes(cfg).items():
         if name not in tensors:
@@ -160,6 +164,7 @@ def write_mmproj(path: str | Path, cfg: VisionConfig, tensors: dict[str, np.ndar
     w.add_bool("clip.use_gelu", True)
     w.add_float32("swaserve.vision.rope_theta", float(cfg.rope_theta))
     w.add_uint32("swaserve.vision.max_soft_tokens", cfg.max_soft_tokens)
+    w.add_bool("swaserve.vision.bidirectional_attention", cfg.bidirectional_attention)
     for name in sorted(tensors):
         arr = np.asarray(tensors[name])
         keep_f32 = arr.ndim <= 1 or name in _F32_ALWAYS
@@ -230,9 +235,13 @@ def hf_state_to_gguf(state_dict: dict[str, Any], hf_vision_config: Any) -> dict[
     return out
 
 
-def vision_config_from_hf(hf_vision_config: Any, text_hidden_size: int, max_soft_tokens: int = 280
-                          ) -> VisionConfig:
-    """The VisionConfig of a transformers Gemma4VisionConfig."""
+def vision_config_from_hf(hf_vision_config: Any, text_hidden_size: int, max_soft_tokens: int = 280,
+                          use_bidirectional_attention: str | None = None) -> VisionConfig:
+    """The VisionConfig of a transformers Gemma4VisionConfig; `use_bidirectional_attention`: the text
+    config's field of that name ("vision": bidirectional image attention; None: causal)."""
+    if use_bidirectional_attention not in (None, "vision"):
+        raise ValueError(f"use_bidirectional_attention {use_bidirectional_attention!r} is not supported "
+                         "(None or 'vision')")
     c = hf_vision_config
     return VisionConfig(
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
@@ -241,4 +250,5 @@ def vision_config_from_hf(hf_vision_config: Any, text_hidden_size: int, max_soft
         position_embedding_size=c.position_embedding_size, rms_norm_eps=c.rms_norm_eps,
         rope_theta=float(c.rope_parameters["rope_theta"]), standardize=bool(c.standardize),
         text_hidden_size=text_hidden_size, max_soft_tokens=max_soft_tokens,
+        bidirectional_attention=use_bidirectional_attention == "vision",
     )

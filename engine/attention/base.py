@@ -3,6 +3,9 @@
 A batch is a flat ("varlen") list of new tokens from B sequences. Sequence b contributes
 q_lens[b] new tokens at positions prefix_lens[b] .. prefix_lens[b] + q_lens[b] - 1; its KV for
 earlier positions is already in the paged pools. Slot = page_id * page_size + offset_in_page.
+A query at position p sees keys [0, p] on full layers and (p - window, key_end) on sliding layers, where
+key_end is p + 1 (causal) or, for an image soft token under bidirectional image attention, the end of its
+image's span (transformers' Gemma 4: AND(sliding window, OR(causal, same image))).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class AttentionMetadata:
     cu_q_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [B + 1]
     prefix_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [B]
     decode_seqs_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [BD] q_len-1 rows
+    # Bidirectional image attention, sliding layers only: one past the last key each new token sees
+    # ([T], absolute; position + 1 for text, the end of its image's span for an image soft token: the
+    # span's keys are all in this batch). None: causal (every token position + 1). Full layers are causal.
+    key_ends: list[int] | None = None
+    key_ends_t: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [T] int32 device copy
 
     @property
     def cu_q_lens(self) -> list[int]:
@@ -59,7 +67,7 @@ class AttentionMetadata:
             self.positions.to(device), self.full_slots.to(device), self.swa_slots.to(device),
             self.full_page_table.to(device), self.swa_page_table.to(device),
             cu_q_lens_t=move(self.cu_q_lens_t), prefix_lens_t=move(self.prefix_lens_t),
-            decode_seqs_t=move(self.decode_seqs_t),
+            decode_seqs_t=move(self.decode_seqs_t), key_ends=self.key_ends, key_ends_t=move(self.key_ends_t),
         )
 
 

@@ -5,8 +5,10 @@ Per batch and pool kind (full / sliding) a gather plan is built once and kept in
 Decode rows (q_len 1) are padded into one batched SDPA call. Prefill sequences are cut into blocks
 of `QUERY_BLOCK` query rows; a block at positions [a, b) attends only to the keys it can see:
 [max(0, a - window + 1), b) on sliding layers (so the cost is linear in the prompt length) and
-[0, b) on full layers, with a small [rows, keys] mask per block. A full-layer prefill without a
-cached prefix runs as one causal SDPA call (is_causal is exact there and skips masked tiles).
+[0, b) on full layers, with a small [rows, keys] mask per block (on sliding layers under bidirectional
+image attention a block's keys reach the end of the last image it holds: AttentionMetadata.key_ends).
+A full-layer prefill without a cached prefix runs as one causal SDPA call (is_causal is exact there
+and skips masked tiles).
 Each sequence's visible keys are gathered from the pool once per layer; blocks slice them. Inputs
 are 4-D so torch picks its fused (flash) CPU kernel; GQA uses `enable_gqa`, K/V are never repeated.
 q8_0 / fp8 pools are dequantized as they are gathered (the oracle of the other backends' 8-bit paths:
@@ -79,7 +81,9 @@ def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tens
 
 
 def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_size: int,
-                  table_row: torch.Tensor, sliding: bool, device: torch.device) -> _Prefill:
+                  table_row: torch.Tensor, sliding: bool, device: torch.device,
+                  ends: list[int] | None = None) -> _Prefill:
+    """`ends`: the rows' key ends (AttentionMetadata.key_ends; sliding layers; None: causal)."""
     start, end = _key_start(prefix, window, sliding), prefix + num_rows
     kpos = torch.arange(start, end, device=device)  # [S]
     pf = _Prefill(table_row[kpos // page_size] * page_size + kpos % page_size)  # [S]
@@ -90,11 +94,16 @@ def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_
         b = min(end, a + QUERY_BLOCK)
         lo = _key_start(a, window, sliding)
         qpos = torch.arange(a, b, device=device)[:, None]  # [nb, 1]
-        kp = torch.arange(lo, b, device=device)[None, :]  # [1, Sb]
-        mask = kp <= qpos  # [nb, Sb]
+        if ends is None:
+            hi, mask_end = b, qpos + 1  # [nb, 1]
+        else:  # an image's tokens also see its later tokens (all in this chunk)
+            row_ends = ends[a - prefix:b - prefix]
+            hi, mask_end = max(row_ends), torch.tensor(row_ends, device=device)[:, None]  # [nb, 1]
+        kp = torch.arange(lo, hi, device=device)[None, :]  # [1, Sb]
+        mask = kp < mask_end  # [nb, Sb]
         if sliding:
             mask &= kp > qpos - window
-        pf.blocks.append(_Block(first_row + a - prefix, b - a, lo - start, b - start, mask))
+        pf.blocks.append(_Block(first_row + a - prefix, b - a, lo - start, hi - start, mask))
     return pf
 
 
@@ -107,10 +116,12 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
     if decodes:
         _plan_decodes(meta, decodes, table, sliding, plan, device)
     cu = meta.cu_q_lens
+    bidir = sliding and meta.key_ends is not None
     for b, n in enumerate(meta.q_lens):
         if n > 1:
+            ends = meta.key_ends[cu[b]:cu[b] + n] if bidir else None  # type: ignore[index]
             plan.prefills.append(_plan_prefill(cu[b], meta.prefix_lens[b], n, meta.window, meta.page_size,
-                                               table[b], sliding, device))
+                                               table[b], sliding, device, ends))
     return plan
 
 

@@ -2,8 +2,10 @@
 
 Per layer: the new K/V are written to their slots, then sequences with one new token run the
 split-K decode kernel (+ a reduce over splits) and the others the varlen prefill kernel, which
-reads the cached prefix and the new tokens alike through the page table. q8_0 K/V (uint8 pool views of
-34-byte blocks) are dequantized in the kernels; fp8_e4m3 K/V (scale 1.0) are converted there (sm_89+).
+reads the cached prefix and the new tokens alike through the page table (on sliding layers with
+per-token key ends under bidirectional image attention: AttentionMetadata.key_ends). q8_0 K/V (uint8
+pool views of 34-byte blocks) are dequantized in the kernels; fp8_e4m3 K/V (scale 1.0) are converted
+there (sm_89+).
 """
 
 from __future__ import annotations
@@ -116,6 +118,16 @@ class TritonAttentionBackend(AttentionBackend):
         by_occupancy = triton.cdiv(2 * self._sms(device), max(num_dec * kvh, 1))
         return max(1, min(by_len, by_occupancy, 64))
 
+    @staticmethod
+    def _key_ends(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+        """meta.key_ends as an int32 [T] tensor on `device` (the staged copy, or staged here once)."""
+        if meta.key_ends_t is not None and meta.key_ends_t.device == device:
+            return meta.key_ends_t
+        key = ("triton_key_ends", device)
+        if key not in meta.backend_plans:
+            meta.backend_plans[key] = pack_to_device([meta.key_ends], torch.int32, device)[0]
+        return meta.backend_plans[key]
+
     def forward(
         self,
         layer: int,
@@ -169,15 +181,17 @@ class TritonAttentionBackend(AttentionBackend):
             bm = kernels.prefill_rows(G, self.block_m) if self.block_m else bm
             bn = self.block_n or bn
             blk_seq, blk_start = info.prefill_blocks(bm // G)
+            bidir = sliding and meta.key_ends is not None
+            kend = self._key_ends(meta, q.device) if bidir else info.cu_q_lens  # unread when not bidir
             kernels._prefill_kernel[(blk_seq.numel(), KVH)](
                 q, k_cache, v_cache, k_words, v_words, out, blk_seq, blk_start, info.cu_q_lens,
-                info.prefix_lens, page_table,
+                info.prefix_lens, page_table, kend,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                 page_table.stride(0), self.scale, window,
                 G=G, PAGE=meta.page_size, D=D, BLOCK_M=bm, BLOCK_N=bn,
-                SLIDING=sliding, DOT_F32=dot_f32, K_TYPE=k_type, V_TYPE=v_type, num_warps=warps,
-                num_stages=stages,
+                SLIDING=sliding, DOT_F32=dot_f32, K_TYPE=k_type, V_TYPE=v_type, BIDIR=bidir,
+                num_warps=warps, num_stages=stages,
             )
         if info.num_decodes:
             eff = min(info.max_decode_len, meta.window) if sliding else info.max_decode_len

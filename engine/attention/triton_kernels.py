@@ -2,7 +2,8 @@
 
 Both kernels read K/V through a page table: the key at logical position n of sequence b lives in
 pool slot page_table[b, n // PAGE] * PAGE + n % PAGE. Keys are indexed by absolute position; a
-query at position p sees keys k <= p, and on sliding layers only k > p - window. Softmax runs in
+query at position p sees keys k <= p, and on sliding layers only k > p - window (there, under BIDIR, an image
+soft token sees k < its key end instead of k <= p: the rest of its image). Softmax runs in
 fp32 with an online (flash) rescale. `DOT_F32` upcasts dot operands to fp32 with exact (ieee, not
 tf32) products: for fp32 KV, and for bf16 under TRITON_INTERPRET=1, whose bf16 dot is wrong.
 K_TYPE / V_TYPE say how a side is stored: 0 float (dot operands in its dtype), 1 q8_0 (34-byte blocks of
@@ -39,12 +40,14 @@ def _prefill_kernel(
     blk_seq_ptr, blk_start_ptr,  # [NB] int32: sequence and first query token (within it) per program
     cu_q_ptr, prefix_ptr,  # [B + 1], [B] int32
     pt_ptr,  # [B, MP] int64 page table
+    kend_ptr,  # [T] int32 one past the last key of each token (BIDIR; AttentionMetadata.key_ends)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     sm_scale, window,
     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, DOT_F32: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+    BIDIR: tl.constexpr,
 ):
     # One program per (BLOCK_M // G query tokens, KV head): the tile's BLOCK_M rows are those tokens'
     # G query heads (row r = token r // G, head kvh * G + r % G), so each K/V tile is read once for
@@ -73,6 +76,11 @@ def _prefill_kernel(
     pos = prefix + offs_m  # [BM] absolute positions
 
     hi = prefix + tl.minimum(m0 + TOK, q_len)  # one past the last key any row sees
+    if BIDIR:  # an image's soft tokens also see its later ones (all in this chunk)
+        kend = tl.load(kend_ptr + tok, mask=m_mask, other=0)  # [BM]
+        hi = tl.maximum(hi, tl.max(kend, 0))
+    else:
+        kend = pos + 1  # [BM] causal
     if SLIDING:
         lo = tl.maximum(prefix + m0 - window + 1, 0)
     else:
@@ -97,7 +105,7 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BM, BN]
         else:
             s = tl.dot(q, tl.trans(k)) * sm_scale  # [BM, BN]
-        mask = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
+        mask = n_valid[None, :] & (offs_n[None, :] < kend[:, None])
         if SLIDING:
             mask = mask & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(mask, s, float("-inf"))

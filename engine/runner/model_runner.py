@@ -26,6 +26,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def key_ends(batch: Batch) -> list[int] | None:
+    """AttentionMetadata.key_ends of a batch: [T] one past the last key each new token sees on the sliding
+    layers (an image soft token: its span's end, Req.attn_blocks), or None when no token sees past itself."""
+    out: list[int] = []
+    seen = False
+    for r, p, q in zip(batch.reqs, batch.prefix_lens, batch.q_lens):
+        ends = list(range(p + 1, p + q + 1))
+        for lo, hi in r.attn_blocks:
+            a, b = max(lo, p), min(hi, p + q)
+            if a < b:
+                assert hi <= p + q, f"{r.rid}: the chunk [{p}, {p + q}) splits the image span [{lo}, {hi})"
+                ends[a - p:b - p] = [hi] * (b - a)
+                seen = seen or hi > a + 1
+        out += ends
+    return out if seen else None
+
+
 def build_metadata(batch: Batch, page_size: int, window: int, device: torch.device | str = "cpu"
                    ) -> AttentionMetadata:
     """Positions, slots and page tables of both pools for one batch.
@@ -58,10 +75,13 @@ def build_metadata(batch: Batch, page_size: int, window: int, device: torch.devi
     decodes = [b for b, q in enumerate(batch.q_lens) if q == 1]
     pos_t, full_t, swa_t, ftab, stab = pack_to_device(
         [positions, full_slots, swa_slots, full_rows, swa_rows], torch.int64, device)
-    cu_t, prefix_t, dec_t = pack_to_device([cu, batch.prefix_lens, decodes], torch.int32, device)
+    ends = key_ends(batch)
+    cu_t, prefix_t, dec_t, ends_t = pack_to_device([cu, batch.prefix_lens, decodes, ends or []], torch.int32,
+                                                   device)
     return AttentionMetadata(page_size, window, list(batch.q_lens), list(batch.prefix_lens), pos_t, full_t,
                              swa_t, ftab.view(B, width), stab.view(B, width), cu_q_lens_t=cu_t,
-                             prefix_lens_t=prefix_t, decode_seqs_t=dec_t)
+                             prefix_lens_t=prefix_t, decode_seqs_t=dec_t, key_ends=ends,
+                             key_ends_t=ends_t if ends is not None else None)
 
 
 class ModelRunner:

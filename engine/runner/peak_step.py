@@ -26,6 +26,15 @@ from swaserve.engine.runner.sampling import top_p_mask
 log = logging.getLogger("swaserve.engine")
 
 
+def max_chunk_tokens(cfg: EngineConfig, bundle: ModelBundle) -> int:
+    """The most prefill tokens one step may plan: --chunked-prefill-size, plus one image less a token under
+    bidirectional image attention (a chunk that starts in an image runs to its end: Req.chunk_end)."""
+    spec = bundle.vision_spec
+    if bundle.vision is None or spec is None or not spec.bidirectional_attention:
+        return cfg.scheduler.chunked_prefill_size
+    return cfg.scheduler.chunked_prefill_size + spec.max_soft_tokens - 1
+
+
 def peak_batch(chunk: int, decodes: int, page_size: int) -> tuple[Batch, int]:
     """A batch of one `chunk`-token prefill and `decodes` decodes of one token after a one-token
     prefix, with page ids of one private page range each; returns (batch, pages used)."""
@@ -59,7 +68,7 @@ def run_peak_step(bundle: ModelBundle, cfg: EngineConfig) -> tuple[torch.Tensor,
     [B, V], the bytes of the temporary KV pool it ran over)."""
     model, mcfg, device = bundle.model, bundle.config, bundle.device
     page_size = cfg.cache.page_size
-    batch, num_pages = peak_batch(cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests,
+    batch, num_pages = peak_batch(max_chunk_tokens(cfg, bundle), cfg.scheduler.max_running_requests,
                                   page_size)
     pool = KVPool(mcfg, num_pages, num_pages, page_size, kv_format_of(cfg.cache, device, cfg.cpu_matmul), device)
     meta = build_metadata(batch, page_size, mcfg.sliding_window, device)
@@ -88,7 +97,7 @@ def reserve_peak_step(bundle: ModelBundle, cfg: EngineConfig) -> int:
     hold = torch.empty(peak, dtype=torch.uint8, device=device)  # ... and keep the step's peak reserved
     del hold
     log.info("peak step (%d-token chunk + %d decodes): %.0f MiB kept for activations",
-             cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests, peak / 2**20)
+             max_chunk_tokens(cfg, bundle), cfg.scheduler.max_running_requests, peak / 2**20)
     return peak
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from swaserve.engine.core import ImageInput, Req, SamplingParams, image_pad_ids
+from swaserve.engine.core import ImageInput, Req, SamplingParams, image_blocks, image_pad_ids
 from swaserve.engine.validation import check_lengths
 
 
@@ -17,10 +17,12 @@ def choice_seed(base: int, index: int) -> int:
 
 def make_reqs(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, context_length: int,
               eos_ids: Iterable[int], seed: int, anchors: Sequence[int] = (),
-              share_prompt: bool = True, images: Sequence[ImageInput] = (), vocab: int = 0) -> list[Req]:
+              share_prompt: bool = True, images: Sequence[ImageInput] = (), vocab: int = 0,
+              bidirectional_images: bool = False) -> list[Req]:
     """One Req per choice (n > 1: choices 1.. wait for choice 0's prompt to be cached when
     share_prompt, then reuse its pages through the prefix cache). An image's span carries its pad ids
-    (image_pad_ids, from `vocab` on): the prefix cache keys it by the image's content."""
+    (image_pad_ids, from `vocab` on): the prefix cache keys it by the image's content.
+    `bidirectional_images`: the images' soft tokens see each other on the sliding layers (Req.attn_blocks)."""
     max_len = check_lengths(len(prompt_ids), params, context_length)
     if images:
         prompt_ids = list(prompt_ids)
@@ -41,6 +43,7 @@ def make_reqs(request_id: str, prompt_ids: Sequence[int], params: SamplingParams
             params=params,
             anchors=tuple(sorted({int(a) for a in anchors if 0 < int(a) < len(prompt_ids)})),
             images=tuple(images),
+            attn_blocks=image_blocks(images) if bidirectional_images else (),
             max_len=max_len,
             stop_ids=frozenset(stop),
             seed=choice_seed(base, i),

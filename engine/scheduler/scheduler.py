@@ -2,7 +2,9 @@
 
 Each step: (1) decodes of running requests (1 token each), (2) the next chunk of running requests
 still prefilling, (3) admission of waiting requests (cache.match + lock, then a first chunk), all
-within a token budget (--chunked-prefill-size) and a cap on running requests. When the pools cannot
+within a token budget (--chunked-prefill-size) and a cap on running requests. With bidirectional image
+attention a chunk never ends inside an image (Req.chunk_end): it stops before the image, or runs to the
+image's end, past the budget when the image is longer than what is left of it. When the pools cannot
 give pages even after the cache evicts, the newest running request is preempted: what it computed
 goes into the cache, it returns to the front of the waiting queue with its tokens kept, and it later
 resumes from what the cache still holds (outputs are unchanged).
@@ -32,6 +34,11 @@ class StepOutput:
     token_id: int | None
     logprob: TokenLogprob | None
     finished: bool
+
+
+def _chunk(req: Req, start: int, budget: int) -> int:
+    """Tokens of req's next chunk from `start`: what the budget allows, moved off an image (Req.chunk_end)."""
+    return req.chunk_end(start, start + min(len(req.token_ids) - start, budget)) - start
 
 
 class Scheduler:
@@ -118,7 +125,7 @@ class Scheduler:
                 break
             if r.status != ReqStatus.RUNNING:  # preempted in this loop
                 continue
-            q = min(len(r.token_ids) - r.num_computed, budget)
+            q = _chunk(r, r.num_computed, budget)
             if self._grow_or_preempt(r, r.num_computed + q, plan):
                 plan[r] = q
                 budget -= q
@@ -144,7 +151,7 @@ class Scheduler:
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
                 continue
             reused = self.kv.admit(req)
-            q = min(len(req.token_ids) - reused, budget)
+            q = _chunk(req, reused, budget)
             if not self.kv.grow(req, reused + q):
                 self.kv.unadmit(req)
                 self.waiting.appendleft(req)

@@ -108,3 +108,44 @@ def test_bad_spans_and_no_encoder_are_request_errors(llm: LLM) -> None:
     with LLM(no_mmproj=True) as text_only:
         with pytest.raises(RequestError, match="--mmproj"):
             text_only.engine.make_requests("bad3", ids, greedy(), images=[im])
+
+
+def _with_encoder(llm: LLM, bidirectional: bool) -> LLM:
+    enc = FakeEncoder(llm.engine.model_config.hidden_size)
+    llm.engine.runner.images = ImageEmbedder(enc, torch.device("cpu"))
+    llm.engine.request_limits = dataclasses.replace(llm.engine.request_limits, images=True)
+    llm.engine.bidirectional_images = bidirectional  # what a gemma4v mmproj sets (VisionSpec)
+    return llm
+
+
+def test_demo_encoder_is_bidirectional() -> None:
+    with LLM() as demo:  # the demo model's own gemma4v mmproj: bidirectional, as llama.cpp decodes gemma4v
+        assert demo.engine.vision_spec is not None and demo.engine.bidirectional_images
+    with LLM(no_mmproj=True) as text_only:
+        assert not text_only.engine.bidirectional_images
+
+
+def test_bidirectional_images_cached_equals_scratch() -> None:
+    """Bidirectional image attention through the scheduler and the radix cache: chunks of 16 around a
+    20-token image, then a second question on the same image whose prefix hit ends inside it, equal to
+    naive runs at chunks of 7 (token ids, and each token's logprob); the causal answer differs."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    with _with_encoder(LLM(no_mmproj=True, chunked_prefill_size=16), True) as radix, \
+            _with_encoder(LLM(no_mmproj=True, cache_type="naive", chunked_prefill_size=7), True) as scratch, \
+            _with_encoder(LLM(no_mmproj=True, cache_type="naive", chunked_prefill_size=7), False) as causal:
+        ids1, im = prompt_with(radix, "Look:", image(5, n=20), " Describe the image in one line.")
+        ids2, _ = prompt_with(radix, "Look:", image(5, n=20), " Which colours are in it?")
+        assert ids1[im.offset + im.length] != ids2[im.offset + im.length]
+        a1 = radix.generate(ids1, params, images=[[im]])[0]
+        a2 = radix.generate(ids2, params, images=[[im]])[0]
+        assert im.offset < a2.cached_tokens < im.offset + im.length  # the hit ends inside the image
+        for got, ids in ((a1, ids1), (a2, ids2)):
+            want = scratch.generate(ids, params, images=[[im]])[0]
+            assert want.cached_tokens == 0 and got.token_ids == want.token_ids
+            err = max(abs(x.logprob - y.logprob) for x, y in zip(got.logprobs, want.logprobs))
+            print(f"cached {got.cached_tokens}: max |dlogprob| vs scratch {err:.2e}")
+            assert err <= 1e-3, err
+        c1 = causal.generate(ids1, params, images=[[im]])[0]
+        print(f"causal vs bidirectional: first logprob {c1.logprobs[0].logprob:.4f} vs "
+              f"{a1.logprobs[0].logprob:.4f}, tokens {c1.token_ids} vs {a1.token_ids}")
+        assert abs(c1.logprobs[0].logprob - a1.logprobs[0].logprob) > 1e-3 or c1.token_ids != a1.token_ids

@@ -13,7 +13,9 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from swaserve.engine.attention.base import AttentionMetadata
 from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.config import ModelConfig
+from swaserve.engine.core import Batch, Req, SamplingParams
 from swaserve.engine.quant.dequant import dequantize
+from swaserve.engine.runner.model_runner import key_ends
 from swaserve.models.weights import Gemma4Weights
 
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
@@ -256,10 +258,20 @@ class PagedRunner:
         self.pool = KVPool(cfg, n, n, page_size, kv_dtype, torch.device("cpu"))
         self.lens: dict[int, int] = {}
 
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Sequence dst starts with src's first `length` positions' KV (copied, every layer): a prefix hit."""
+        base = self.pps * self.P
+        for layer in range(self.cfg.num_layers):
+            for t in self.pool.kv(layer):
+                t[dst * base:dst * base + length] = t[src * base:src * base + length]
+        self.lens[dst] = length
+
     def step(self, chunks: list[tuple[int, list[int]]],
-             images: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+             images: tuple[torch.Tensor, torch.Tensor] | None = None,
+             attn_blocks: dict[int, tuple[tuple[int, int], ...]] | None = None) -> list[torch.Tensor]:
         """Run new tokens of several sequences in one batch -> fp32 logits [n_i, V] per chunk; `images`:
-        (flat row index, rows) of image soft tokens, as Gemma4Model.forward takes them."""
+        (flat row index, rows) of image soft tokens, as Gemma4Model.forward takes them; `attn_blocks`:
+        sequence -> its bidirectional image spans (Req.attn_blocks; the engine's key_ends from them)."""
         P, W = self.P, self.cfg.sliding_window
         ids, pos, slots, prefixes, qlens = [], [], [], [], []
         full_pt = torch.full((len(chunks), self.pps), -1, dtype=torch.int64)
@@ -281,7 +293,13 @@ class PagedRunner:
             self.lens[s] = end
         positions = torch.cat(pos)
         slot_t = torch.cat(slots)
-        meta = AttentionMetadata(P, W, qlens, prefixes, positions, slot_t, slot_t.clone(), full_pt, swa_pt)
+        ends = None
+        if attn_blocks:
+            reqs = [Req(str(s), str(s), 0, [0] * (p + n), p + n, SamplingParams(),
+                        attn_blocks=attn_blocks.get(s, ())) for (s, _), p, n in zip(chunks, prefixes, qlens)]
+            ends = key_ends(Batch(reqs, qlens, prefixes, [True] * len(reqs)))
+        meta = AttentionMetadata(P, W, qlens, prefixes, positions, slot_t, slot_t.clone(), full_pt, swa_pt,
+                                 key_ends=ends)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, images=images)
         logits = self.model.logits(hidden)
         return list(torch.split(logits, qlens))

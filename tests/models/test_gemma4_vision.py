@@ -8,6 +8,8 @@ with the weights passed through the GGUF name mapping and, for one test, an mmpr
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -255,3 +257,37 @@ def test_missing_tensor_is_named(tmp_path) -> None:
         load_mmproj(tmp_path / "bad.gguf")
     with pytest.raises(ValueError, match="missing tensor v.blk.0.attn_q.weight"):
         Gemma4Vision(cfg_small, {k: v for k, v in tensors.items() if k != "v.blk.0.attn_q.weight"})
+
+
+def test_bidirectional_attention_setting(hf_model, tmp_path) -> None:
+    """The mmproj key round-trips both ways; a gemma4v file without it (llama.cpp's converter writes
+    none) is bidirectional, as llama.cpp decodes it; HF conversion follows use_bidirectional_attention."""
+    vc = hf_model.config.vision_config
+    assert not vision_config_from_hf(vc, TEXT_HIDDEN).bidirectional_attention  # transformers' default
+    on = vision_config_from_hf(vc, TEXT_HIDDEN, use_bidirectional_attention="vision")
+    assert on.bidirectional_attention
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        vision_config_from_hf(vc, TEXT_HIDDEN, use_bidirectional_attention="all")
+    cfg = tiny_vision_config(TEXT_HIDDEN)
+    for on in (True, False):
+        write_mmproj(tmp_path / f"{on}.gguf", dataclasses.replace(cfg, bidirectional_attention=on),
+                     random_vision(cfg))
+        assert load_mmproj(tmp_path / f"{on}.gguf")[0].bidirectional_attention is on
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "clip")  # the same file without swaserve's key
+    r = gguf.GGUFReader(tmp_path / "False.gguf")
+    for name, field in r.fields.items():
+        if name.startswith(("clip.", "swaserve.vision.max", "swaserve.vision.rope")):
+            val = field.contents()
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_array(name, val)
+            else:
+                w.add_key_value(name, val, vtype)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(n) for n in t.shape])),
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert load_mmproj(tmp_path / "bare.gguf")[0].bidirectional_attention

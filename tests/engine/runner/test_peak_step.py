@@ -45,3 +45,20 @@ def test_logits_fp32_cpu_matches_a_float64_matmul():
     out = logits_fp32(x, w)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), x.double() @ w.data.double().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_max_chunk_tokens_adds_one_image_when_bidirectional():
+    from swaserve.engine.config import EngineConfig, SchedulerConfig, VisionSpec
+    from swaserve.engine.runner.peak_step import max_chunk_tokens
+
+    cfg = EngineConfig(scheduler=SchedulerConfig(chunked_prefill_size=512))
+    cpu = torch.device("cpu")
+
+    def bundle(bidir: bool | None) -> ModelBundle:
+        spec = None if bidir is None else VisionSpec(16, 3, 280, 5, None, None, bidir)
+        return ModelBundle(None, None, {}, "m", "", cpu, vision=None if spec is None else object(),
+                           vision_spec=spec)
+
+    assert max_chunk_tokens(cfg, bundle(None)) == 512  # text only
+    assert max_chunk_tokens(cfg, bundle(False)) == 512  # causal images split anywhere
+    assert max_chunk_tokens(cfg, bundle(True)) == 512 + 279  # a chunk may run to an image's end
