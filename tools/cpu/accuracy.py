@@ -47,11 +47,12 @@ def score(path: str, mode: str, ids: list[int], threads: int) -> tuple[list[floa
     from swaserve.llm import LLM
 
     llm = LLM(path, cpu_matmul=mode, cpu_threads=threads, cache_type="naive", device="cpu",
-              max_running_requests=1, chunked_prefill_size=max(512, len(ids)))
+              max_running_requests=1, chunked_prefill_size=max(512, len(ids)),
+              kv_cache_dtype="fp16")  # one KV type for every mode: the matmul is what differs
     eng = llm.engine
     model, pool, page = eng.runner.model, eng.pool, eng.config.cache.page_size
     pages = list(range(-(-len(ids) // page)))
-    batch = SimpleNamespace(reqs=[SimpleNamespace(full_pages=pages, swa_pages=pages)], prefix_lens=[0],
+    batch = SimpleNamespace(reqs=[SimpleNamespace(full_pages=pages, swa_pages=pages, attn_blocks=())], prefix_lens=[0],
                             q_lens=[len(ids)])
     meta = build_metadata(batch, page, eng.model_config.sliding_window)
     with torch.no_grad():

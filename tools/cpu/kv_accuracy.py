@@ -66,7 +66,7 @@ def score(path: str | None, kv: str, ids: list[int], matmul: str, threads: int, 
     eng = llm.engine
     model, pool, page = eng.runner.model, eng.pool, eng.config.cache.page_size
     pages = list(range(-(-n // page)))
-    req = SimpleNamespace(full_pages=pages, swa_pages=pages)
+    req = SimpleNamespace(full_pages=pages, swa_pages=pages, attn_blocks=())
     rows = []
     with torch.no_grad():
         for start in range(0, n, step):

@@ -25,14 +25,15 @@ def test_pool_sizing_modes():
     k, full_record, swa_record = arena_geometry(cfg)
     bf, bs = bytes_per_token(cfg, torch.float32)
     assert k >= 1 and k * full_record == swa_record and bs == swa_record * 4 and bf <= full_record * 4
-    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU)  # default on CPU: 32768 full + a quarter SWA
+    assert plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU).kv_format.name == "q8_0"  # auto, native
+    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU, "exact")  # auto: fp16; 32768 full + a quarter SWA
     assert d.full_per_block == k and d.num_blocks == -(-32768 // (16 * k)) + 32768 // 4 // 16
     assert d.swa_cap == d.num_blocks and d.block_bytes == 16 * swa_record * d.dtype.itemsize
     e = plan_kv_pools(cfg, CacheConfig(full_tokens=100_000, swa_tokens=30_000), sched, 32768, CPU)
     assert e.num_blocks == -(-100_000 // (16 * k)) + -(-30_000 // 16) and e.swa_cap == e.num_blocks
     g = plan_kv_pools(cfg, CacheConfig(kv_cache_memory_gb=1.0, swa_full_tokens_ratio=0.5), sched, 32768, CPU)
     assert 2**30 - g.block_bytes < g.num_blocks * g.block_bytes <= 2**30
-    bf, bs = bytes_per_token(cfg, g.dtype)
+    bf, bs = bytes_per_token(cfg, g.kv_format)
     assert g.swa_cap == int(int(2**30 / (bf + 0.5 * bs)) * 0.5) // 16 < g.num_blocks  # the cap of a split
     with pytest.raises(ValueError, match="--max-running-requests 4 windows of 1024 tokens"):
         plan_kv_pools(cfg, CacheConfig(full_tokens=160, swa_tokens=2048), sched, 32768, CPU)
