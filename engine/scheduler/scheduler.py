@@ -18,6 +18,7 @@ from typing import Any
 
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, FinishReason, Req, ReqStatus, TokenLogprob
+from swaserve.engine.scheduler.encoder_budget import EncoderBudget
 from swaserve.engine.scheduler.kv_manager import KVManager
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_tier_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
+        self.encoder_budget: EncoderBudget | None = None  # set by the engine builder with an image encoder
 
     # ---- requests in / out ------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -110,6 +112,8 @@ class Scheduler:
         aborted = self._process_aborts()
         preempted_before = self.num_preemptions
         budget = self.cfg.chunked_prefill_size
+        if self.encoder_budget is not None:
+            self.encoder_budget.begin()
         plan: dict[Req, int] = {}  # req -> new tokens this step, in insertion order
         decodes = [r for r in self.running if r.num_computed == len(r.token_ids) - 1]
         prefills = [r for r in self.running if r.num_computed < len(r.token_ids) - 1]
@@ -118,7 +122,9 @@ class Scheduler:
                 break
             if r.status != ReqStatus.RUNNING:  # preempted in this loop
                 continue
-            q = min(len(r.token_ids) - r.num_computed, budget)
+            q = self._fit_images(r, r.num_computed, min(len(r.token_ids) - r.num_computed, budget))
+            if q == 0:  # its next image waits for the encoder budget of a later step
+                continue
             if self._grow_or_preempt(r, r.num_computed + q, plan):
                 plan[r] = q
                 budget -= q
@@ -136,6 +142,12 @@ class Scheduler:
             sample=[r.num_computed + plan[r] == len(r.token_ids) < r.max_len for r in reqs],
         ), aborted
 
+    def _fit_images(self, req: Req, start: int, q: int) -> int:
+        """q, cut before the first image past this step's encoder budget (scheduler/encoder_budget.py)."""
+        if self.encoder_budget is None or not req.images:
+            return q
+        return self.encoder_budget.fit(req, start, q)
+
     def _admit(self, budget: int, plan: dict[Req, int]) -> None:
         skipped: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
@@ -144,8 +156,8 @@ class Scheduler:
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
                 continue
             reused = self.kv.admit(req)
-            q = min(len(req.token_ids) - reused, budget)
-            if not self.kv.grow(req, reused + q):
+            q = self._fit_images(req, reused, min(len(req.token_ids) - reused, budget))
+            if q == 0 or not self.kv.grow(req, reused + q):
                 self.kv.unadmit(req)
                 self.waiting.appendleft(req)
                 break
