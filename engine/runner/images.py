@@ -2,8 +2,9 @@
 encoded once per image content (an LRU keyed by ImageInput.key), placed at the chunk's rows.
 
 The images a step needs that are not cached are encoded before the forward, together: those of one
-patch count in one batched forward (`encode_batch`, at most `max_batch` images), one forward per patch
-count. How many a step may start is the scheduler's (engine/scheduler/encoder_budget.py)."""
+patch count in one batched forward (`encode_batch`, at most `max_batch` images: 8 on CUDA, 1 on the CPU,
+where a batch measured no faster), one forward per patch count. How many a step may start is the
+scheduler's (engine/scheduler/encoder_budget.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ class ImageEmbedder:
     fan-out over one image encodes it once, and a prompt prefilled over several chunks encodes each image
     once."""
 
-    def __init__(self, encoder: Any, device: torch.device, capacity: int = 64, max_batch: int = 8):
+    def __init__(self, encoder: Any, device: torch.device, capacity: int = 64, max_batch: int | None = None):
         self.encoder = encoder
         self.device = device
         self.capacity = capacity
-        self.max_batch = max_batch
+        # images a forward: on the CPU batching measured no faster (docs/images.md), so one at a time there
+        self.max_batch = max_batch if max_batch is not None else (8 if device.type == "cuda" else 1)
         self._cache: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self.encoder_runs = 0  # images encoded
         self.encoder_forwards = 0  # encoder calls (a batched one counts once)

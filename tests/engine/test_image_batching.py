@@ -49,7 +49,7 @@ def test_batched_encode_equals_one_at_a_time(cfg: VisionConfig) -> None:
 
 def test_embedder_groups_by_patch_count_and_isolates_a_bad_image() -> None:
     cfg = tiny_vision_config(32)
-    emb = ImageEmbedder(Gemma4Vision(cfg, random_vision(cfg)), torch.device("cpu"), capacity=16)
+    emb = ImageEmbedder(Gemma4Vision(cfg, random_vision(cfg)), torch.device("cpu"), capacity=16, max_batch=8)
     same = [_input(_prepared(s, 144, 144)) for s in range(3)]
     other = _input(_prepared(9, 96, 192))
     bad = ImageInput(0, 3, 12345, same[0].pixel_values, same[0].position_ids)  # wrong span length
@@ -58,7 +58,7 @@ def test_embedder_groups_by_patch_count_and_isolates_a_bad_image() -> None:
     # 3 of one shape + the bad one (same shape) in one forward that failed, retried one by one (4), other (1):
     # a failed batch costs its good images a second run
     assert emb.encoder_forwards == 1 + 4 + 1 and emb.encoder_runs == 4 + 4 + 1
-    emb2 = ImageEmbedder(emb.encoder, torch.device("cpu"), capacity=16)
+    emb2 = ImageEmbedder(emb.encoder, torch.device("cpu"), capacity=16, max_batch=8)
     rows2, _ = emb2.encode_all(same + [other])
     assert emb2.encoder_forwards == 2 and emb2.encoder_runs == 4  # one per patch count
     assert all(torch.equal(rows[k], rows2[k]) for k in rows2)
@@ -83,6 +83,8 @@ def test_many_new_images_spread_over_steps() -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
     with LLM(image_encoder_budget=budget, chunked_prefill_size=2048) as llm:
         emb = llm.engine.runner.images
+        assert emb.max_batch == 1  # the CPU default
+        emb.max_batch = 8  # batched as on CUDA
         ids, ims = _prompts(llm, 8)
         assert all(im[0].length == 64 for im in ims)
         per_step: list[int] = []

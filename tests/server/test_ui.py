@@ -281,7 +281,6 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
                 metas.append(page.eval_on_selector(
                     "#log .assistant .meta", "e => [e.textContent, e.dataset.cached, e.dataset.prompt]"))
             page.screenshot(path=str(tmp_path / "inspector-chat.png"), full_page=True)
-            image_turns = _image_conversation(page, ui_server, ui_engine)
             text, cached, prompt = metas[1]
             wait_idle(ui_engine)
             st = ui_server.http().get("/v1/cache/state").json()
@@ -306,13 +305,13 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
             page.click("#flush")
             page.wait_for_function("() => document.getElementById('tree').textContent"
                                    ".includes('cache is empty')", timeout=30_000)
+            page.click("#tab-chat")
+            _image_conversation(page, ui_server, ui_engine)
             assert not errors, errors
             assert not refused, refused  # the page works under its Content-Security-Policy
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
-    first, second = image_turns
-    assert int(second[2]) > int(first[2]) and int(second[1]) >= int(first[2]) // 2, image_turns
     keep = os.environ.get("SWASERVE_TEST_ARTIFACTS")
     if keep:  # CI or a developer may collect the screenshot
         os.makedirs(keep, exist_ok=True)
@@ -326,10 +325,11 @@ def _png(color: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-def _image_conversation(page: Any, server: LiveServer, engine: Any) -> list[list[str]]:
+def _image_conversation(page: Any, server: LiveServer, engine: Any) -> None:
     """Attach an image with the file input, send, then a second text turn in the same conversation: the
-    image shows as a thumbnail, its tokens are in the prompt, the second turn resends it (its prompt reuses
-    the first's, image included). Returns each turn's [meta text, cached, prompt]."""
+    image shows as a thumbnail, its tokens are in the prompt, the second turn resends it (its prompt
+    matches the whole first prompt, image included, in the cache). Then a file the server cannot decode:
+    its 400 shows. Runs on an empty cache."""
     page.click("#newchat")
     page.set_input_files("#images", files=[{"name": "red.png", "mimeType": "image/png",
                                             "buffer": _png((220, 20, 20))}])
@@ -351,23 +351,28 @@ def _image_conversation(page: Any, server: LiveServer, engine: Any) -> list[list
             page.click("#send")
     wait_idle(engine)
     st = server.http().get("/v1/cache/state", params={"top": 512}).json()
-    assert any("[image " in n["preview"] for n in st["nodes"]), [n["preview"] for n in st["nodes"]]
+    with engine._step_lock:  # the image's soft tokens (pad ids past the vocabulary) are in the cached prefix
+        vocab = engine.tokenizer.vocab_size
+        assert any(t >= vocab for path in tree_by_path(engine.core.cache) for t in path)
+    first_prompt, second_prompt = int(turns[0][2]), int(turns[1][2])
+    latest = st["recent_requests"][0]  # the second turn
+    assert latest["prompt_tokens"] == second_prompt > first_prompt
+    assert latest["matched_tokens"] >= first_prompt, (latest, turns)  # the image was sent again
     with server.http() as h:
         text_only = h.post("/tokenize", json={"model": SERVED, "messages": [
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": "What colour is this?"}]})
-    assert int(turns[0][2]) > text_only.json()["count"]  # the image's soft tokens are in the prompt
+    assert first_prompt > text_only.json()["count"]  # the image's soft tokens are in the prompt
     # a file that is not an image the server can decode: the server's 400 shows, the turn is not kept
     page.click("#newchat")
     page.set_input_files("#images", files=[{"name": "bad.png", "mimeType": "image/png",
                                             "buffer": b"not a png"}])
-    page.wait_for_selector("#attached .thumb img")
+    page.wait_for_selector("#attached .thumb img", state="attached")
     page.fill("#input", "And this?")
     page.click("#send")
     page.wait_for_selector("#log .assistant .meta .error", timeout=60_000)
     assert "400" in page.text_content("#log .assistant .meta .error")
     assert page.locator("#attached .thumb").count() == 1  # kept for another try
     page.click("#newchat")
-    return turns
 
 
 # Chromium's own Private / Local Network Access checks also stop this page (a non-secure page reaching a

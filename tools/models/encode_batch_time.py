@@ -6,12 +6,14 @@ random tower (models/mmproj.py random_vision), fp32, on the CPU threads given:
   .venv/bin/python tools/models/encode_batch_time.py --size real --images 4 --side 448 --threads 2
 
 Prints one markdown row: tower, patches an image, single (sum of N forwards), batched, speed-up, and the
-max |batched - single| / max |single| of the outputs. Times are the median of --repeats.
+max |batched - single| / max |single| of the outputs. Times are the median of --repeats,
+the two sides interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -31,11 +33,15 @@ def main() -> None:
                          "real: Gemma 4's (768, 16, 280)")
     ap.add_argument("--images", type=int, default=4)
     ap.add_argument("--side", type=int, default=336, help="square image side in pixels before preprocessing")
+    ap.add_argument("--max-soft-tokens", type=int, default=None,
+                    help="the tower's soft-token budget an image (default: the tower's, 64 / 280)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = tiny_vision_config(2816) if args.size == "tiny" else VisionConfig(text_hidden_size=2816)
+    if args.max_soft_tokens is not None:
+        cfg = dataclasses.replace(cfg, max_soft_tokens=args.max_soft_tokens)
     tower = Gemma4Vision(cfg, random_vision(cfg, seed=0))
     rng = np.random.default_rng(0)
     pairs = []
@@ -45,17 +51,21 @@ def main() -> None:
                           max_soft_tokens=cfg.max_soft_tokens)
         pairs.append((torch.from_numpy(p.pixel_values), torch.from_numpy(p.position_ids)))
 
-    def timed(fn) -> float:
-        fn()  # warm-up
-        ts = []
-        for _ in range(args.repeats):
+    def run_single() -> None:
+        for pv, pos in pairs:
+            tower.encode(pv, pos)
+
+    def run_batched() -> None:
+        tower.encode_batch(pairs)
+
+    run_single(), run_batched()  # warm-up
+    ts: dict[str, list[float]] = {"single": [], "batched": []}
+    for _ in range(args.repeats):  # interleaved: a machine whose load drifts biases neither side
+        for name, fn in (("single", run_single), ("batched", run_batched)):
             t0 = time.perf_counter()
             fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    single = timed(lambda: [tower.encode(pv, pos) for pv, pos in pairs])
-    batched = timed(lambda: tower.encode_batch(pairs))
+            ts[name].append(time.perf_counter() - t0)
+    single, batched = statistics.median(ts["single"]), statistics.median(ts["batched"])
     one = [tower.encode(pv, pos) for pv, pos in pairs]
     err = max(float((b - o).abs().max() / o.abs().max()) for b, o in zip(tower.encode_batch(pairs), one))
     print("| tower | images x patches (soft tokens) | threads | single, sum | batched | speed-up "
