@@ -40,6 +40,7 @@ from swaserve.engine.runner.images import ImageEmbedder
 from swaserve.engine.runner.model_runner import ModelRunner
 from swaserve.engine.runner.peak_step import measure_graph_memory, reserve_peak_step
 from swaserve.engine.scheduler import KVManager, Scheduler
+from swaserve.engine.scheduler.encoder_budget import EncoderBudget
 from swaserve.engine.text.chat_template import ChatTemplate, model_chat_template
 from swaserve.engine.text.template_sandbox import RenderLimits
 from swaserve.engine.text.tokenizer import Tokenizer
@@ -229,6 +230,10 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
             raise ValueError("--kv-offload-dir needs --cache-type radix")
         cache.set_tier(build_tier(cfg, bundle, pool))
     kv = KVManager(cache, arena.full, arena.swa, P, model_cfg.sliding_window)
+    scheduler = Scheduler(sched_cfg, kv, context)
+    if runner.images is not None:
+        scheduler.encoder_budget = EncoderBudget(cfg.image_encoder_budget or sched_cfg.chunked_prefill_size,
+                                                 runner.images.has)
     return EngineParts(
         model_config=model_cfg,
         model_name=bundle.name,
@@ -243,7 +248,7 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
         full_alloc=arena.full,
         swa_alloc=arena.swa,
         cache=cache,
-        scheduler=Scheduler(sched_cfg, kv, context),
+        scheduler=scheduler,
         runner=runner,
         vision_spec=bundle.vision_spec if bundle.vision is not None else None,
     )

@@ -191,6 +191,12 @@ class EngineConfig:
     image_cache_size: int = option(
         64, "--image-cache-size", min=0,
         help="encoded images kept by content hash, so that a fan-out over one image encodes it once")
+    # soft tokens of uncached images one step may start encoding (engine/scheduler/encoder_budget.py)
+    image_encoder_budget: int | None = option(
+        None, "--image-encoder-budget", min=1,
+        help="soft tokens of new (not yet encoded) images one step may encode; a chunk reaching an image "
+             "past it stops before the image (default: --chunked-prefill-size; the first new image of a "
+             "step always runs)")
     attention_backend: str = option("auto", "--attention-backend", backends="attention")
     moe_backend: str = option("auto", "--moe-backend", backends="moe")
     moe_cache_size: int = option(

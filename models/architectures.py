@@ -73,16 +73,22 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
     name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
     log.info("model %s built in %.1fs (%s, device %s)", name, time.monotonic() - t0, arch_name, device)
     meta: dict[str, Any] = loaded.metadata
-    vision, spec = _load_vision(cfg, loaded.config, meta, device)
+    vision, spec = _load_vision(cfg, loaded.config, meta, device, path)
     return ModelBundle(model=model, config=loaded.config, metadata=meta, name=name, path=path, device=device,
                        vision=vision, vision_spec=spec)
 
 
-def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device: Any) -> tuple[Any, Any]:
-    """The image encoder of --mmproj (or the demo model's own): (Gemma4Vision, VisionSpec) or (None, None)."""
+def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device: Any, model_path: str
+                 ) -> tuple[Any, Any]:
+    """The image encoder: --mmproj, else the model GGUF's own tower (a combined file), else the demo
+    model's mmproj; (Gemma4Vision, VisionSpec), or (None, None) with --no-mmproj or none found."""
+    from swaserve.models.mmproj import has_vision, load_mmproj
+
     path = cfg.mmproj
     if cfg.no_mmproj:
         return None, None
+    if path is None and has_vision(meta):
+        path = model_path
     if path is None and cfg.model_path is None:
         from swaserve.models.demo.tiny import demo_mmproj_path
 
@@ -91,7 +97,6 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
         return None, None
     from swaserve.engine.config import VisionSpec
     from swaserve.models.gemma4_vision import Gemma4Vision
-    from swaserve.models.mmproj import load_mmproj
 
     vcfg, tensors = load_mmproj(path)
     if vcfg.text_hidden_size != text_cfg.hidden_size:
@@ -104,7 +109,8 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
         raise ValueError(f"--mmproj {path}: the model's vocabulary has no <|image|> token")
     spec = VisionSpec(vcfg.patch_size, vcfg.pooling_kernel_size, vcfg.max_soft_tokens, ids["<|image|>"],
                       ids.get("<|image>"), ids.get("<image|>"), vcfg.bidirectional_attention)
-    log.info("image encoder %s: %d layers, up to %d soft tokens an image, %s image attention",
-             Path(path).name, vcfg.num_layers, vcfg.max_soft_tokens,
+    where = " (in the model file)" if path == model_path else ""
+    log.info("image encoder %s%s: %d layers, up to %d soft tokens an image, %s image attention",
+             Path(path).name, where, vcfg.num_layers, vcfg.max_soft_tokens,
              "bidirectional" if vcfg.bidirectional_attention else "causal")
     return Gemma4Vision(vcfg, tensors, device), spec

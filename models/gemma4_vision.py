@@ -95,14 +95,15 @@ def _rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> tor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding over the last dim of x [N, H, d] with cos/sin [N, 1, d]."""
+    """Rotate-half rotary embedding over the last dim of x [..., N, H, d] with cos/sin [..., N, 1, d]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [N, H, d]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [..., N, H, d]
     return x * cos + rotated * sin
 
 
 class Gemma4Vision:
-    """The vision tower + multimodal embedder for one image at a time."""
+    """The vision tower + multimodal embedder: one image (`encode`) or several of the same patch count in
+    one forward (`encode_batch`)."""
 
     def __init__(
         self,
@@ -166,33 +167,33 @@ class Gemma4Vision:
         return y if clamp is None else y.clamp(clamp[2], clamp[3])
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [N, 1, hd] for positions [N, 2]: x angles on the first half, y on the second."""
-        ang = positions.float()[:, :, None] * self.inv_freq  # [N, 2, hd/4]
-        ang = torch.cat([ang, ang], dim=-1)  # [N, 2, hd/2]: each axis's rotate-half pair
-        ang = ang.reshape(ang.shape[0], 1, -1)  # [N, 1, hd]
+        """cos/sin [..., N, 1, hd] for positions [..., N, 2]: x angles on the first half, y on the second."""
+        ang = positions.float()[..., None] * self.inv_freq  # [..., N, 2, hd/4]
+        ang = torch.cat([ang, ang], dim=-1)  # [..., N, 2, hd/2]: each axis's rotate-half pair
+        ang = ang.reshape(*ang.shape[:-2], 1, -1)  # [..., N, 1, hd]
         return ang.cos().to(self.dtype), ang.sin().to(self.dtype)
 
     def _attention(self, h: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, L = self.cfg, self.layers[i]
-        N, hd, half = h.shape[0], cfg.head_dim, cfg.head_dim // 2
-        q = self._linear(h, i, "attn_q").view(N, cfg.num_heads, hd)  # [N, H, hd]
-        k = self._linear(h, i, "attn_k").view(N, cfg.num_kv_heads, hd)  # [N, KV, hd]
-        v = self._linear(h, i, "attn_v").view(N, cfg.num_kv_heads, hd)  # [N, KV, hd]
+        B, N, hd, half = h.shape[0], h.shape[1], cfg.head_dim, cfg.head_dim // 2
+        q = self._linear(h, i, "attn_q").view(B, N, cfg.num_heads, hd)  # [B, N, H, hd]
+        k = self._linear(h, i, "attn_k").view(B, N, cfg.num_kv_heads, hd)  # [B, N, KV, hd]
+        v = self._linear(h, i, "attn_v").view(B, N, cfg.num_kv_heads, hd)  # [B, N, KV, hd]
         q = _rms(q, cfg.rms_norm_eps, L["attn_q_norm"])
         k = _rms(k, cfg.rms_norm_eps, L["attn_k_norm"])
         v = _rms(v, cfg.rms_norm_eps)
         q = torch.cat([_rotate(q[..., :half], cos[..., :half], sin[..., :half]),
-                       _rotate(q[..., half:], cos[..., half:], sin[..., half:])], dim=-1)  # [N, H, hd]
+                       _rotate(q[..., half:], cos[..., half:], sin[..., half:])], dim=-1)  # [B, N, H, hd]
         k = torch.cat([_rotate(k[..., :half], cos[..., :half], sin[..., :half]),
-                       _rotate(k[..., half:], cos[..., half:], sin[..., half:])], dim=-1)  # [N, KV, hd]
+                       _rotate(k[..., half:], cos[..., half:], sin[..., half:])], dim=-1)  # [B, N, KV, hd]
         rep = cfg.num_heads // cfg.num_kv_heads
         if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)  # [N, H, hd]
-            v = v.repeat_interleave(rep, dim=1)  # [N, H, hd]
+            k = k.repeat_interleave(rep, dim=2)  # [B, N, H, hd]
+            v = v.repeat_interleave(rep, dim=2)  # [B, N, H, hd]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=1.0
-        )  # [H, N, hd]
-        return self._linear(out.transpose(0, 1).reshape(N, cfg.num_heads * hd), i, "attn_out")  # [N, D]
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=1.0
+        )  # [B, H, N, hd]: each image attends to its own patches only
+        return self._linear(out.transpose(1, 2).reshape(B, N, cfg.num_heads * hd), i, "attn_out")  # [B, N, D]
 
     def _pool(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Average k x k blocks of patches by their positions, in row-major block order: [S, D] fp32."""
@@ -204,15 +205,9 @@ class Gemma4Vision:
         out.index_add_(0, cell, h.float())
         return out / (k * k)
 
-    @torch.no_grad()
-    def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """One image's patches [N, 3 p^2] (values in [0, 1]) and (x, y) positions [N, 2] -> fp32 soft
-        tokens [N / k^2, text_hidden_size].
-
-        These are exactly the rows transformers scatters into `inputs_embeds` at the image placeholder
-        positions (`Gemma4Model.get_image_features(...).pooler_output`). The text embedding scale
-        sqrt(text hidden size) is NOT part of them and must not be applied to them: transformers scales
-        only the text tokens' embedding lookups. Padding patches (position (-1, -1)) are ignored."""
+    def _patches(self, pixel_values: torch.Tensor, position_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One image's patches, checked, padding dropped, on the device: ([N, 3 p^2] in [-1, 1], [N, 2])."""
         cfg = self.cfg
         pixel_values = torch.as_tensor(pixel_values)
         position_ids = torch.as_tensor(position_ids)
@@ -228,18 +223,43 @@ class Gemma4Vision:
         if N and (int(pos.min()) < 0 or int(pos.max()) >= cfg.position_embedding_size):
             raise ValueError(f"patch positions {int(pos.min())}..{int(pos.max())} outside the position table "
                              f"(size {cfg.position_embedding_size})")
-        x = pixel_values.to(device=self.device, dtype=self.dtype) * 2 - 1  # [N, 3p^2] in [-1, 1]
-        h = x @ self.patch_w.T + self.pos_table[0][pos[:, 0]] + self.pos_table[1][pos[:, 1]]  # [N, D]
-        cos, sin = self._rope_tables(pos)  # [N, 1, hd]
+        return pixel_values.to(device=self.device, dtype=self.dtype) * 2 - 1, pos
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One image's patches [N, 3 p^2] (values in [0, 1]) and (x, y) positions [N, 2] -> fp32 soft
+        tokens [N / k^2, text_hidden_size].
+
+        These are exactly the rows transformers scatters into `inputs_embeds` at the image placeholder
+        positions (`Gemma4Model.get_image_features(...).pooler_output`). The text embedding scale
+        sqrt(text hidden size) is NOT part of them and must not be applied to them: transformers scales
+        only the text tokens' embedding lookups. Padding patches (position (-1, -1)) are ignored."""
+        return self.encode_batch([(pixel_values, position_ids)])[0]
+
+    @torch.no_grad()
+    def encode_batch(self, images: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Several images of the same patch count (after padding is dropped) in one forward: `encode` of
+        each, in order. Attention stays within each image."""
+        cfg = self.cfg
+        prepared = [self._patches(pv, pos) for pv, pos in images]
+        if len({x.shape[0] for x, _ in prepared}) > 1:
+            raise ValueError(f"encode_batch needs one patch count, got {[x.shape[0] for x, _ in prepared]}")
+        x = torch.stack([p[0] for p in prepared])  # [B, N, 3p^2] in [-1, 1]
+        pos = torch.stack([p[1] for p in prepared])  # [B, N, 2]
+        h = x @ self.patch_w.T + self.pos_table[0][pos[..., 0]] + self.pos_table[1][pos[..., 1]]  # [B, N, D]
+        cos, sin = self._rope_tables(pos)  # [B, N, 1, hd]
         eps = cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
-            a = self._attention(_rms(h, eps, L["ln1"]), i, cos, sin)  # [N, D]
+            a = self._attention(_rms(h, eps, L["ln1"]), i, cos, sin)  # [B, N, D]
             h = h + _rms(a, eps, L["attn_post_norm"])
-            m = _rms(h, eps, L["ln2"])  # [N, D]
+            m = _rms(h, eps, L["ln2"])  # [B, N, D]
             g = F.gelu(self._linear(m, i, "ffn_gate"), approximate="tanh") * self._linear(m, i, "ffn_up")
-            h = h + _rms(self._linear(g, i, "ffn_down"), eps, L["ffn_post_norm"])  # [N, D]
-        s = self._pool(h, pos) * math.sqrt(cfg.hidden_size)  # [S, D] fp32
-        if self.std is not None:
-            s = (s - self.std[0]) * self.std[1]  # [S, D]
-        s = _rms(s.to(self.dtype), eps)  # [S, D]
-        return (s @ self.proj_w.T).float()  # [S, T]
+            h = h + _rms(self._linear(g, i, "ffn_down"), eps, L["ffn_post_norm"])  # [B, N, D]
+        out = []
+        for b in range(h.shape[0]):
+            s = self._pool(h[b], pos[b]) * math.sqrt(cfg.hidden_size)  # [S, D] fp32
+            if self.std is not None:
+                s = (s - self.std[0]) * self.std[1]  # [S, D]
+            s = _rms(s.to(self.dtype), eps)  # [S, D]
+            out.append((s @ self.proj_w.T).float())  # [S, T]
+        return out

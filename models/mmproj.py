@@ -31,6 +31,11 @@ non-causally, mtmd_decode_use_non_causal; false = causal, what transformers does
 `use_bidirectional_attention: "vision"`).
 Nothing here is guessed beyond those keys and writing clip.use_gelu = true (the key is llama.cpp's;
 that gemma4v needs it set is inferred from the model's gelu-tanh MLP and clip.cpp's ffn_op selection).
+
+A combined file (`combine_gguf`: the text model's keys and tensors plus the mmproj's `clip.*` /
+`swaserve.vision.*` keys and `v.*` / `mm.*` tensors) is swaserve's: llama.cpp's converter writes the
+projector as a separate file only (`--mmproj`), and its text loader counts tensors
+(llama_model_loader::done_getting_tensors, "wrong number of tensors") so it refuses such a file.
 """
 
 from __future__ import annotations
@@ -130,6 +135,45 @@ def load_mmproj(path: str | Path) -> tuple[VisionConfig, dict[str, np.ndarray]]:
         if tensors[name].shape != shape:
             raise ValueError(f"{path}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
     return cfg, tensors
+
+
+def has_vision(meta: dict[str, Any]) -> bool:
+    """Whether a GGUF's metadata (models/gguf_loader.py GGUFFile.metadata) carries a projector's keys."""
+    return "clip.projector_type" in meta or "clip.vision.projector_type" in meta
+
+
+def combine_gguf(model_path: str | Path, mmproj_path: str | Path, out_path: str | Path) -> None:
+    """Write `out_path`: the text model GGUF with the mmproj's clip.* / swaserve.vision.* keys and its
+    tensors appended (stored bytes copied as they are), a single file `load_mmproj` reads too."""
+    text, proj = gguf.GGUFReader(model_path), gguf.GGUFReader(mmproj_path)
+    if has_vision({k: None for k in text.fields}):
+        raise ValueError(f"{model_path}: already carries a projector")
+    if not has_vision({k: None for k in proj.fields}):
+        raise ValueError(f"{mmproj_path}: not an mmproj file (no clip.projector_type)")
+    arch = _field(text, "general.architecture")
+    w = gguf.GGUFWriter(str(out_path), arch)  # writes general.architecture itself
+    align = _field(text, "general.alignment")
+    if align is not None:
+        w.data_alignment = int(align)
+    fields = [f for f in text.fields.values() if not f.name.startswith("GGUF.")
+              and f.name != "general.architecture"]
+    fields += [f for f in proj.fields.values() if f.name.startswith(("clip.", "swaserve.vision."))]
+    for f in fields:
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    tensors = list(text.tensors) + [t for t in proj.tensors if t.name.startswith(("v.", "mm."))]
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{model_path} and {mmproj_path} share tensor names")
+    for t in tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in tensors:
+        w.write_tensor_data(t.data)
+    w.close()
 
 
 def write_mmproj(path: str | Path, cfg: VisionConfig, tensors: dict[str, np.ndarray], *,

@@ -75,6 +75,8 @@ class _EngineCollector(Collector):
         if "image_encoder_runs" in stats:  # an image encoder is loaded (engine/runner/images.py)
             yield counter("image_encoder_runs", "Images encoded (a fan-out over one image encodes it once).",
                           stats["image_encoder_runs"])
+            yield counter("image_encoder_forwards", "Image encoder forwards (several images of one patch "
+                          "count share one).", stats.get("image_encoder_forwards", 0))
             yield counter("image_cache_hits", "Images whose encoder output was reused by content hash.",
                           stats["image_cache_hits"])
         yield gauge("num_requests_running", "Requests in the running batch.", stats.get("running", 0))

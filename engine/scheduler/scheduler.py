@@ -20,6 +20,7 @@ from typing import Any
 
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, FinishReason, Req, ReqStatus, TokenLogprob
+from swaserve.engine.scheduler.encoder_budget import EncoderBudget
 from swaserve.engine.scheduler.kv_manager import KVManager
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_tier_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
+        self.encoder_budget: EncoderBudget | None = None  # set by the engine builder with an image encoder
 
     # ---- requests in / out ------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -117,6 +119,8 @@ class Scheduler:
         aborted = self._process_aborts()
         preempted_before = self.num_preemptions
         budget = self.cfg.chunked_prefill_size
+        if self.encoder_budget is not None:
+            self.encoder_budget.begin()
         plan: dict[Req, int] = {}  # req -> new tokens this step, in insertion order
         decodes = [r for r in self.running if r.num_computed == len(r.token_ids) - 1]
         prefills = [r for r in self.running if r.num_computed < len(r.token_ids) - 1]
@@ -125,7 +129,9 @@ class Scheduler:
                 break
             if r.status != ReqStatus.RUNNING:  # preempted in this loop
                 continue
-            q = _chunk(r, r.num_computed, budget)
+            q = self._fit_images(r, r.num_computed, _chunk(r, r.num_computed, budget))
+            if q == 0:  # its next image waits for the encoder budget of a later step
+                continue
             if self._grow_or_preempt(r, r.num_computed + q, plan):
                 plan[r] = q
                 budget -= q
@@ -143,6 +149,13 @@ class Scheduler:
             sample=[r.num_computed + plan[r] == len(r.token_ids) < r.max_len for r in reqs],
         ), aborted
 
+    def _fit_images(self, req: Req, start: int, q: int) -> int:
+        """q, cut before the first image past this step's encoder budget (scheduler/encoder_budget.py); the
+        cut lands on an image's start, so it keeps _chunk's rule (no chunk ends inside an image)."""
+        if self.encoder_budget is None or not req.images:
+            return q
+        return self.encoder_budget.fit(req, start, q)
+
     def _admit(self, budget: int, plan: dict[Req, int]) -> None:
         skipped: list[Req] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
@@ -151,8 +164,8 @@ class Scheduler:
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
                 continue
             reused = self.kv.admit(req)
-            q = _chunk(req, reused, budget)
-            if not self.kv.grow(req, reused + q):
+            q = self._fit_images(req, reused, _chunk(req, reused, budget))
+            if q == 0 or not self.kv.grow(req, reused + q):
                 self.kv.unadmit(req)
                 self.waiting.appendleft(req)
                 break

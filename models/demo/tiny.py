@@ -258,6 +258,9 @@ def add_make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision", action="store_true",
                    help="also write a random gemma4v image encoder, OUT with .mmproj.gguf for .gguf "
                         "(serve it with --mmproj)")
+    p.add_argument("--vision-into-main", action="store_true",
+                   help="with --vision: put the encoder's keys and tensors into OUT itself (one combined "
+                        "file, served with no --mmproj) instead of a separate .mmproj.gguf")
 
 
 def run_make_model(args: argparse.Namespace) -> int:
@@ -266,8 +269,24 @@ def run_make_model(args: argparse.Namespace) -> int:
     path = make_model(args.preset, args.out, seed=args.seed, progress=True, qtype=qtype,
                       embed_qtype=getattr(args, "embed_qtype", None))
     print(f"{path} ({Path(path).stat().st_size / 1e6:.1f} MB, preset {args.preset})")
+    into_main = getattr(args, "vision_into_main", False)
+    if into_main and not getattr(args, "vision", False):
+        raise ValueError("--vision-into-main needs --vision")
     if getattr(args, "vision", False):
         mm = make_mmproj(args.preset, str(Path(path).with_suffix(".mmproj.gguf")), seed=args.seed,
                          size=getattr(args, "vision_size", "tiny"))
-        print(f"{mm} ({Path(mm).stat().st_size / 1e6:.1f} MB, image encoder for --mmproj)")
+        if into_main:
+            from swaserve.models.mmproj import combine_gguf
+
+            tmp = f"{path}.tmp{os.getpid()}"
+            try:
+                combine_gguf(path, mm, tmp)
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+                Path(mm).unlink(missing_ok=True)
+            print(f"{path} ({Path(path).stat().st_size / 1e6:.1f} MB, image encoder inside: serve with no "
+                  "--mmproj)")
+        else:
+            print(f"{mm} ({Path(mm).stat().st_size / 1e6:.1f} MB, image encoder for --mmproj)")
     return 0

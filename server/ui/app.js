@@ -1,11 +1,12 @@
 // swaserve inspector: a streaming chat against /v1/chat/completions and a view of /v1/cache/state.
-// Plain browser JavaScript, no build step, no dependencies.
+// Plain browser JavaScript, no build step, no dependencies; the messages come from chat_parts.js.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const REASONS = { no_match: "no match", window_evicted: "window evicted", page_alignment: "page alignment",
                   prompt_logprobs: "prompt logprobs" };
 let conversation = [];  // OpenAI messages of the current chat (system prompt added per request)
+let attached = [];  // data: URLs of the images attached to the next user message
 let modelId = null;
 let autoTimer = null;
 
@@ -65,10 +66,7 @@ async function loadModel() {
 }
 
 function requestBody() {
-  const messages = [];
-  const system = $("system").value.trim();
-  if (system) messages.push({ role: "system", content: system });
-  messages.push(...conversation);
+  const messages = chatMessages($("system").value.trim(), conversation);
   const body = { model: modelId, messages, stream: true, stream_options: { include_usage: true },
                  max_tokens: parseInt($("maxtok").value, 10) || 256,
                  chat_template_kwargs: { enable_thinking: $("thinking").checked } };
@@ -82,14 +80,62 @@ function requestBody() {
   return body;
 }
 
+// ---- attached images ----------------------------------------------------------------------------
+function thumbs(urls, onRemove) {
+  const box = el("div", { class: "thumbs" });
+  urls.forEach((url, i) => {
+    const t = el("span", { class: "thumb" }, el("img", { src: url, alt: `image ${i + 1}` }));
+    if (onRemove) {
+      const x = el("button", { title: "remove this image" }, "\u00d7");
+      x.addEventListener("click", () => onRemove(i));
+      t.append(x);
+    }
+    box.append(t);
+  });
+  return box;
+}
+
+function showAttached() {
+  const box = $("attached");
+  box.textContent = "";
+  if (attached.length) box.append(thumbs(attached, (i) => { attached.splice(i, 1); showAttached(); }));
+}
+
+async function attach(files) {
+  const images = imageFiles(files);
+  try {
+    for (const f of images) attached.push(await readDataUrl(f));
+  } catch (e) {
+    $("chat-status").textContent = "";
+    $("chat-status").append(el("span", { class: "error" }, e.message));
+  }
+  showAttached();
+  return images.length;
+}
+
 async function send() {
   const text = $("input").value.trim();
-  if (!text) return;
+  if (!text && !attached.length) return;
   $("send").disabled = true;
   $("chat-status").textContent = "";
-  conversation.push({ role: "user", content: text });
-  $("log").append(el("div", { class: "msg user" }, text));
+  const images = attached;
+  conversation.push(userMessage(text, images));
+  const userBox = el("div", { class: "msg user" });
+  if (images.length) userBox.append(thumbs(images, null));
+  userBox.append(text);
+  $("log").append(userBox);
   $("input").value = "";
+  attached = [];
+  showAttached();
+  const failed = (message) => {  // the server's (or the page's) error; the turn can be sent again
+    meta.textContent = "";
+    meta.append(el("span", { class: "error" }, message));
+    conversation.pop();
+    attached = images;
+    showAttached();
+    if (!$("input").value) $("input").value = text;
+    $("send").disabled = false;
+  };
   const reasoning = el("div", { class: "reasoning" });
   const content = el("div", {});
   const meta = el("div", { class: "meta" }, "waiting\u2026");
@@ -100,10 +146,7 @@ async function send() {
     if (!modelId) await loadModel();
     body = requestBody();
   } catch (e) {
-    meta.textContent = "";
-    meta.append(el("span", { class: "error" }, e.message));
-    conversation.pop();
-    $("send").disabled = false;
+    failed(e.message);
     return;
   }
   const t0 = performance.now();
@@ -149,10 +192,7 @@ async function send() {
       }
     }
   } catch (e) {
-    meta.textContent = "";
-    meta.append(el("span", { class: "error" }, e.message));
-    conversation.pop();
-    $("send").disabled = false;
+    failed(e.message);
     return;
   }
   const calls = Object.values(toolCalls);
@@ -316,7 +356,14 @@ async function flush() {
 for (const b of document.querySelectorAll("header nav button")) b.addEventListener("click", () => showTab(b.dataset.tab));
 $("send").addEventListener("click", send);
 $("input").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(); });
-$("newchat").addEventListener("click", () => { conversation = []; $("log").textContent = ""; });
+$("newchat").addEventListener("click", () => { conversation = []; $("log").textContent = ""; attached = []; showAttached(); });
+$("images").addEventListener("change", async (e) => { await attach(e.target.files); e.target.value = ""; });
+$("input").addEventListener("paste", (e) => {  // an image pasted into the message box is attached
+  const files = e.clipboardData ? e.clipboardData.files : null;
+  if (imageFiles(files).length) { e.preventDefault(); attach(files); }
+});
+$("chat").addEventListener("dragover", (e) => e.preventDefault());
+$("chat").addEventListener("drop", (e) => { e.preventDefault(); attach(e.dataTransfer && e.dataTransfer.files); });
 $("refresh").addEventListener("click", refreshCache);
 $("auto").addEventListener("change", setAuto);
 $("flush").addEventListener("click", flush);

@@ -1,5 +1,5 @@
 """The cache inspector: GET /v1/cache/state (JSON, read-only, bounded) and, with --ui, the page at GET /
-(server/ui/: one HTML file and one script, no build step, nothing from a CDN).
+(server/ui/: one HTML file and two scripts, no build step, nothing from a CDN).
 
 Both sit behind the same `--api-key` middleware as every other route (server/app.py), and without a key
 behind its Host / Origin checks (server/http/admin_guard.py). The page's files are sent with headers
@@ -24,7 +24,8 @@ from swaserve.server.state import ServerState
 router = APIRouter()
 
 UI_DIR = Path(__file__).parent
-UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
+UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+            "chat_parts.js": "text/javascript; charset=utf-8"}
 MAX_TOP = 512  # nodes per answer: the response stays bounded whatever the tree holds
 PREVIEW_CHARS = 80
 # the page: its own script, its inline <style> and style attributes, canvas drawing; fetch to this server

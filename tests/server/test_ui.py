@@ -5,13 +5,18 @@ with a reason where either is absent)."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from swaserve.server.app import build_app
 from swaserve.server.launch import is_loopback, server_config_from_args
@@ -140,9 +145,14 @@ def test_page_routes_and_flags(ui_server, ui_engine):
         page = h.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert '<script src="/ui/app.js">' in page.text and "https://" not in page.text  # no CDN
+        assert '<script src="/ui/chat_parts.js">' in page.text and 'id="images" type="file"' in page.text
         js = h.get("/ui/app.js")
         assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "http" not in js.text
-        for r in (page, js):  # no framing (clickjacking), only this server's script and connections
+        parts = h.get("/ui/chat_parts.js")
+        assert parts.status_code == 200 and "javascript" in parts.headers["content-type"]
+        assert "function userMessage" in parts.text and "http" not in parts.text
+        assert "userMessage(" in js.text and "chatMessages(" in js.text  # the page builds its messages there
+        for r in (page, js, parts):  # no framing (clickjacking), only this server's script and connections
             assert r.headers["x-frame-options"] == "DENY"
             csp = r.headers["content-security-policy"]
             assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp
@@ -156,7 +166,7 @@ def test_page_routes_and_flags(ui_server, ui_engine):
             assert r.status_code == 404 and r.json()["error"]["code"] == "ui_disabled"
             assert h.get("/v1/cache/state").status_code == 200  # the JSON endpoint is always there
         with keyed.http() as h:
-            for path in ("/", "/ui/app.js", "/v1/cache/state"):
+            for path in ("/", "/ui/app.js", "/ui/chat_parts.js", "/v1/cache/state"):
                 assert h.get(path).status_code == 401, path
                 assert h.get(path, headers={"Authorization": "Bearer k3y"}).status_code == 200, path
             assert h.post("/flush_cache").status_code == 401
@@ -169,6 +179,56 @@ def test_page_routes_and_flags(ui_server, ui_engine):
         args = serve_args("--host", host, *([flag] if flag else []))
         assert server_config_from_args(args).ui is want, (host, flag)
     assert is_loopback("127.0.0.5") and not is_loopback("example.com")
+
+
+# ---- the chat's messages with images, under node ---------------------------------------------------
+NODE_SCRIPT = """
+const p = require(process.argv[1]);
+const turn1 = p.userMessage("What is this?", ["data:image/png;base64,AAA", "data:image/jpeg;base64,BBB"]);
+const conv = [turn1, {role: "assistant", content: "A cat."}, p.userMessage("And its colour?", [])];
+const files = [{type: "image/png"}, {type: "text/plain"}, {type: "image/webp"}];
+console.log(JSON.stringify({turn1, only_image: p.userMessage("", ["data:image/gif;base64,CCC"]),
+                            messages: p.chatMessages("Be brief.", conv), no_system: p.chatMessages("", conv),
+                            images: p.imageFiles(files).length}));
+"""
+
+
+def test_chat_messages_built_under_node(ui_server):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on this machine")
+    with ui_server.http() as h:  # the file the page runs, as the server sends it
+        src = h.get("/ui/chat_parts.js").text
+    assert src == (Path(__file__).parents[2] / "server" / "ui" / "chat_parts.js").read_text()
+    js = Path(__file__).parents[2] / "server" / "ui" / "chat_parts.js"
+    out = subprocess.run([node, "-e", NODE_SCRIPT, str(js)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    img = lambda u: {"type": "image_url", "image_url": {"url": u}}  # noqa: E731
+    turn1 = {"role": "user", "content": [img("data:image/png;base64,AAA"), img("data:image/jpeg;base64,BBB"),
+                                         {"type": "text", "text": "What is this?"}]}
+    assert got["turn1"] == turn1
+    assert got["only_image"] == {"role": "user", "content": [img("data:image/gif;base64,CCC")]}
+    later = [turn1, {"role": "assistant", "content": "A cat."},
+             {"role": "user", "content": "And its colour?"}]
+    assert got["messages"] == [{"role": "system", "content": "Be brief."}, *later]  # the history keeps images
+    assert got["no_system"] == later and got["images"] == 2
+
+
+def test_page_messages_are_accepted_by_the_server(ui_server):
+    """What the page sends (the node-built shape) is a valid image chat request here."""
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 32), (200, 30, 30)).save(buf, "PNG")
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+    r = ui_server.client().chat.completions.create(model=SERVED, max_tokens=2, temperature=0.0,
+                                                   messages=[{"role": "user", "content": content}])
+    with ui_server.http() as h:
+        text_only = h.post("/tokenize", json={"model": SERVED, "messages": [
+            {"role": "user", "content": "What is this?"}]}).json()["count"]
+    assert r.usage.prompt_tokens > text_only  # the image's soft tokens
 
 
 # ---- the page in headless Chromium --------------------------------------------------------------------
@@ -245,6 +305,8 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
             page.click("#flush")
             page.wait_for_function("() => document.getElementById('tree').textContent"
                                    ".includes('cache is empty')", timeout=30_000)
+            page.click("#tab-chat")
+            _image_conversation(page, ui_server, ui_engine)
             assert not errors, errors
             assert not refused, refused  # the page works under its Content-Security-Policy
         finally:
@@ -255,6 +317,62 @@ def test_page_in_headless_chromium(ui_server, ui_engine, tmp_path):
         os.makedirs(keep, exist_ok=True)
         for name in ("inspector.png", "inspector-chat.png"):
             shutil.copy(tmp_path / name, os.path.join(keep, f"{int(time.time())}-{name}"))
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _image_conversation(page: Any, server: LiveServer, engine: Any) -> None:
+    """Attach an image with the file input, send, then a second text turn in the same conversation: the
+    image shows as a thumbnail, its tokens are in the prompt, the second turn resends it (its prompt
+    matches the whole first prompt, image included, in the cache). Then a file the server cannot decode:
+    its 400 shows. Runs on an empty cache."""
+    page.click("#newchat")
+    page.set_input_files("#images", files=[{"name": "red.png", "mimeType": "image/png",
+                                            "buffer": _png((220, 20, 20))}])
+    page.wait_for_selector("#attached .thumb img")
+    page.fill("#input", "What colour is this?")
+    page.click("#send")
+    turns = []
+    for n in (1, 2):
+        page.wait_for_function(f"() => document.querySelectorAll('#log .assistant .meta').length === {n} && "
+                               f"document.querySelectorAll('#log .assistant .meta')[{n - 1}].dataset.prompt",
+                               timeout=120_000)
+        turns.append(page.eval_on_selector_all(
+            "#log .assistant .meta", f"es => [es[{n - 1}].textContent, es[{n - 1}].dataset.cached, "
+                                     f"es[{n - 1}].dataset.prompt]"))
+        if n == 1:
+            assert page.locator("#log .user .thumb img").count() == 1
+            assert page.locator("#attached .thumb").count() == 0  # sent with this turn only
+            page.fill("#input", "And the shape?")
+            page.click("#send")
+    wait_idle(engine)
+    st = server.http().get("/v1/cache/state", params={"top": 512}).json()
+    with engine._step_lock:  # the image's soft tokens (pad ids past the vocabulary) are in the cached prefix
+        vocab = engine.tokenizer.vocab_size
+        assert any(t >= vocab for path in tree_by_path(engine.core.cache) for t in path)
+    first_prompt, second_prompt = int(turns[0][2]), int(turns[1][2])
+    latest = st["recent_requests"][0]  # the second turn
+    assert latest["prompt_tokens"] == second_prompt > first_prompt
+    assert latest["matched_tokens"] >= first_prompt, (latest, turns)  # the image was sent again
+    with server.http() as h:
+        text_only = h.post("/tokenize", json={"model": SERVED, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": "What colour is this?"}]})
+    assert first_prompt > text_only.json()["count"]  # the image's soft tokens are in the prompt
+    # a file that is not an image the server can decode: the server's 400 shows, the turn is not kept
+    page.click("#newchat")
+    page.set_input_files("#images", files=[{"name": "bad.png", "mimeType": "image/png",
+                                            "buffer": b"not a png"}])
+    page.wait_for_selector("#attached .thumb img", state="attached")
+    page.fill("#input", "And this?")
+    page.click("#send")
+    page.wait_for_selector("#log .assistant .meta .error", timeout=60_000)
+    assert "400" in page.text_content("#log .assistant .meta .error")
+    assert page.locator("#attached .thumb").count() == 1  # kept for another try
+    page.click("#newchat")
 
 
 # Chromium's own Private / Local Network Access checks also stop this page (a non-secure page reaching a
