@@ -26,7 +26,7 @@ from swaserve.engine.core import (
     TokenLogprob,
 )
 from swaserve.engine.kvcache import Match, snapshot
-from swaserve.engine.model_api import ModelBundle
+from swaserve.engine.model_api import ModelBundle, generation_defaults
 from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text.grammar import GrammarBackend
 from swaserve.engine.text.template_sandbox import RenderLimits
@@ -37,25 +37,6 @@ log = logging.getLogger("swaserve.engine")
 
 # GGUF generation metadata (written by llama.cpp's converters from the HF generation_config.json)
 # -> SamplingParams field names
-SAMPLING_METADATA = {
-    "general.sampling.temp": "temperature",
-    "general.sampling.top_k": "top_k",
-    "general.sampling.top_p": "top_p",
-    "general.sampling.min_p": "min_p",
-    "general.sampling.penalty_repeat": "repetition_penalty",
-}
-
-
-def generation_defaults(metadata: Any) -> dict[str, float]:
-    """The sampling defaults a GGUF declares (`general.sampling.*`), as SamplingParams fields."""
-    out: dict[str, float] = {}
-    for key, name in SAMPLING_METADATA.items():
-        v = metadata.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[name] = int(v) if name == "top_k" else float(v)
-    return out
-
-
 class Engine:
     """Owns the model runner, the KV pools, the prefix cache and the scheduler (see the module docstring)."""
 

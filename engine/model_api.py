@@ -52,3 +52,22 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine")
     return dev
+
+
+SAMPLING_METADATA = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def generation_defaults(metadata: Any) -> dict[str, float]:
+    """The sampling defaults a GGUF declares (`general.sampling.*`), as SamplingParams fields."""
+    out: dict[str, float] = {}
+    for key, name in SAMPLING_METADATA.items():
+        v = metadata.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[name] = int(v) if name == "top_k" else float(v)
+    return out

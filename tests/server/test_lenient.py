@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from swaserve import cli
-from swaserve.engine.engine import generation_defaults
+from swaserve.engine.model_api import generation_defaults
 from swaserve.server.app import ServerConfig, build_app
 from swaserve.server.launch import apply_aliases, server_config_from_args
 from swaserve.server.params import parse_default_sampling
