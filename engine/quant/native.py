@@ -160,9 +160,7 @@ def load() -> ctypes.CDLL | None:
     _why_not = _cpu_ok()
     if not _why_not:
         try:
-            # a shared 2-core box: OpenMP threads that spin at barriers while a neighbour holds the other
-            # core make every kernel wait for the descheduled thread; sleep instead (unless set by the user)
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # (OMP_WAIT_POLICY is set in swaserve/__init__.py: libgomp has read it by now)
             _lib = _open(_build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = str(e)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
@@ -75,7 +74,6 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
         return _libs[variant]
     lib = None
     try:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see native.py: a shared box, sleep at barriers
         cand = bind(ctypes.CDLL(str(_build(variant))), _SIGNATURES)
         if cand.swa_k_abi() != ABI or cand.swa_k_ntypes() != len(TYPES):
             raise RuntimeError(f"library ABI {cand.swa_k_abi()} / {cand.swa_k_ntypes()} types != {ABI}")
