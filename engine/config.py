@@ -63,7 +63,8 @@ class ModelConfig:
         return sum(1 for t in self.layer_types[:layer] if t == kind)
 
 
-# KV storage types (engine/attention/kv_format.py); auto = bf16 on CUDA, q8_0 on CPU (fp16 with --cpu-matmul exact)
+# KV storage types (engine/attention/kv_format.py); auto = bf16 on CUDA, q8_0 on CPU (fp16 with
+# --cpu-matmul exact)
 KVDtype = Literal["auto", "bf16", "fp16", "fp32", "q8_0", "fp8_e4m3"]
 KVSideDtype = Literal["bf16", "fp16", "fp32", "q8_0", "fp8_e4m3"]
 SIZING_RATIO = 0.25  # SWA tokens per full token when sizing the default or a --max-total-tokens arena
@@ -108,7 +109,8 @@ class CacheConfig:
     page_size: int = option(16, "--page-size", min=1)
     kv_cache_dtype: KVDtype = option(
         "auto", "--kv-cache-dtype",
-        help="KV cache storage type of K and V: auto (bf16 on CUDA; q8_0 on CPU, fp16 with --cpu-matmul exact), bf16, fp16, fp32, q8_0 "
+        help="KV cache storage type of K and V: auto (bf16 on CUDA; q8_0 on CPU, fp16 with --cpu-matmul "
+             "exact), bf16, fp16, fp32, q8_0 "
              "(blocks of 32 int8 values with an fp16 scale, llama.cpp's Q8_0: 1.0625 bytes a value) or "
              "fp8_e4m3 (CUDA, scale 1.0)")
     # per-side overrides (llama.cpp's --cache-type-k / --cache-type-v); None = kv_cache_dtype

@@ -42,6 +42,7 @@ class ModelBundle:
     device: torch.device
     vision: Any = None  # the image encoder (models/gemma4_vision.py Gemma4Vision), None: text only
     vision_spec: VisionSpec | None = None  # its preprocessing, for the server
+    vision_path: str | None = None  # the encoder's GGUF (an mmproj, or `path` for a combined file)
 
 
 def resolve_device(name: str) -> torch.device:

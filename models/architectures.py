@@ -65,7 +65,7 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
         raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     device = resolve_device(cfg.device)
-    kv_format_of(cfg.cache, device, cfg.cpu_matmul)  # a --kv-cache-dtype this device cannot serve fails before the load
+    kv_format_of(cfg.cache, device, cfg.cpu_matmul)  # a --kv-cache-dtype this device cannot serve fails now
     t0 = time.monotonic()
     log.info("loading %s", path)
     loaded = arch.load(file, progress)
@@ -73,20 +73,20 @@ def load_model(cfg: EngineConfig, progress: bool = True) -> ModelBundle:
     name = "swaserve-demo" if cfg.model_path is None else Path(path).stem
     log.info("model %s built in %.1fs (%s, device %s)", name, time.monotonic() - t0, arch_name, device)
     meta: dict[str, Any] = loaded.metadata
-    vision, spec = _load_vision(cfg, loaded.config, meta, device, path)
+    vision, spec, vision_path = _load_vision(cfg, loaded.config, meta, device, path)
     return ModelBundle(model=model, config=loaded.config, metadata=meta, name=name, path=path, device=device,
-                       vision=vision, vision_spec=spec)
+                       vision=vision, vision_spec=spec, vision_path=vision_path)
 
 
 def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device: Any, model_path: str
-                 ) -> tuple[Any, Any]:
+                 ) -> tuple[Any, Any, str | None]:
     """The image encoder: --mmproj, else the model GGUF's own tower (a combined file), else the demo
-    model's mmproj; (Gemma4Vision, VisionSpec), or (None, None) with --no-mmproj or none found."""
+    model's mmproj; (Gemma4Vision, VisionSpec, its file), or Nones with --no-mmproj or none found."""
     from swaserve.models.mmproj import has_vision, load_mmproj
 
     path = cfg.mmproj
     if cfg.no_mmproj:
-        return None, None
+        return None, None, None
     if path is None and has_vision(meta):
         path = model_path
     if path is None and cfg.model_path is None:
@@ -94,7 +94,7 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
 
         path = demo_mmproj_path()
     if path is None:
-        return None, None
+        return None, None, None
     from swaserve.engine.config import VisionSpec
     from swaserve.models.gemma4_vision import Gemma4Vision
 
@@ -113,4 +113,4 @@ def _load_vision(cfg: EngineConfig, text_cfg: Any, meta: dict[str, Any], device:
     log.info("image encoder %s%s: %d layers, up to %d soft tokens an image, %s image attention",
              Path(path).name, where, vcfg.num_layers, vcfg.max_soft_tokens,
              "bidirectional" if vcfg.bidirectional_attention else "causal")
-    return Gemma4Vision(vcfg, tensors, device), spec
+    return Gemma4Vision(vcfg, tensors, device), spec, path

@@ -121,4 +121,5 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 def _native_q8(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether a q8_0 write goes through native_ops.kv_store_q8 (bit-exact with the torch quantizer)."""
     return (cache.dtype == torch.uint8 and x.device.type == "cpu" and slots.dtype == torch.int64
-            and slots.is_contiguous() and native_ops.available() and native_ops.kv_view_ok(cache, x.shape[-1]))
+            and slots.is_contiguous() and native_ops.available()
+            and native_ops.kv_view_ok(cache, x.shape[-1]))

@@ -133,7 +133,8 @@ def kv_store_q8(dst: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, threads
     assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
     if t:
         native.load().swa_kv_store_q8(x.data_ptr(), t, kvh, d, dst.data_ptr(), dst.stride(0), dst.stride(1),
-                                      slots.data_ptr(), threads if threads is not None else torch.get_num_threads())
+                                      slots.data_ptr(),
+                                      threads if threads is not None else torch.get_num_threads())
 
 
 def kv_dtype_ok(dtype: torch.dtype) -> bool:

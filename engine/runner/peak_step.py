@@ -70,7 +70,8 @@ def run_peak_step(bundle: ModelBundle, cfg: EngineConfig) -> tuple[torch.Tensor,
     page_size = cfg.cache.page_size
     batch, num_pages = peak_batch(max_chunk_tokens(cfg, bundle), cfg.scheduler.max_running_requests,
                                   page_size)
-    pool = KVPool(mcfg, num_pages, num_pages, page_size, kv_format_of(cfg.cache, device, cfg.cpu_matmul), device)
+    fmt = kv_format_of(cfg.cache, device, cfg.cpu_matmul)
+    pool = KVPool(mcfg, num_pages, num_pages, page_size, fmt, device)
     meta = build_metadata(batch, page_size, mcfg.sliding_window, device)
     ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=device)  # [T]
     hidden = model.forward(ids, meta, pool)  # [T, H]

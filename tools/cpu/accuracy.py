@@ -52,8 +52,8 @@ def score(path: str, mode: str, ids: list[int], threads: int) -> tuple[list[floa
     eng = llm.engine
     model, pool, page = eng.runner.model, eng.pool, eng.config.cache.page_size
     pages = list(range(-(-len(ids) // page)))
-    batch = SimpleNamespace(reqs=[SimpleNamespace(full_pages=pages, swa_pages=pages, attn_blocks=())], prefix_lens=[0],
-                            q_lens=[len(ids)])
+    req = SimpleNamespace(full_pages=pages, swa_pages=pages, attn_blocks=())
+    batch = SimpleNamespace(reqs=[req], prefix_lens=[0], q_lens=[len(ids)])
     meta = build_metadata(batch, page, eng.model_config.sliding_window)
     with torch.no_grad():
         logits = model.logits(model.forward(torch.tensor(ids), meta, pool)).double()  # [T, V]

@@ -26,11 +26,13 @@ BURNER = "while True: pass"
 def _cell(engine: str, args: argparse.Namespace, threads: int, policy: str, neighbours: int) -> float | None:
     """Wall decode tok/s of one run (None when the run failed), with `neighbours` spinning beside it."""
     common = ["--gguf", args.gguf, "--threads", str(threads), "--prompt-len", str(args.prompt_len),
-              "--gen", str(args.gen), "--stream-prompt-len", "1", "--stream-gen", "1", "--reps", str(args.reps)]
+              "--gen", str(args.gen), "--stream-prompt-len", "1", "--stream-gen", "1",
+              "--reps", str(args.reps)]
     if engine == "swaserve":
         cmd = [sys.executable, "-m", "swaserve.bench.speed_worker", *common, "--kv-gb", "1"]
     else:
-        cmd = [args.peer_python, str(Path(__file__).resolve().parents[2] / "bench" / "speed_peer.py"), *common]
+        peer = Path(__file__).resolve().parents[2] / "bench" / "speed_peer.py"
+        cmd = [args.peer_python, str(peer), *common]
     env = dict(os.environ, OMP_WAIT_POLICY=policy)
     burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(neighbours)]
     try:

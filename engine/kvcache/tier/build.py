@@ -20,6 +20,7 @@ from swaserve.engine.model_api import ModelBundle
 log = logging.getLogger("swaserve.engine")
 
 HOST_GB_CUDA = 4.0  # the default host level on CUDA (--kv-offload-host-gb)
+MMPROJ_IDENTITY_FILE = "swaserve-kv.mmproj-hash"  # the image encoder file's hash, kept beside the model's
 
 
 def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVTier:
@@ -33,9 +34,15 @@ def build_tier(cfg: EngineConfig, bundle: ModelBundle, pool: ArenaKVPool) -> KVT
         raise ValueError(f"--kv-offload-gb {c.kv_offload_gb} is less than one KV block "
                          f"({block_bytes / 2**20:.2f} MiB)")
     model = file_identity(bundle.path, c.kv_offload_dir)  # the whole file's hash (kept in the directory)
-    fp = fingerprint(["swaserve-kv-tier", 3, model, bundle.config, pool.kv_format.name, pool.page_size,
-                      pool.full_per_block, pool.full_record, pool.swa_record, cfg.cpu_matmul,
-                      bundle.device.type])
+    parts = ["swaserve-kv-tier", 3, model, bundle.config, pool.kv_format.name, pool.page_size,
+             pool.full_per_block, pool.full_record, pool.swa_record, cfg.cpu_matmul, bundle.device.type]
+    if bundle.vision is not None and bundle.vision_path is not None:
+        # image pages are keyed by the pixels' hash: the encoder that made their KV and its attention rule
+        # are part of what the bytes mean (another mmproj, or causal vs bidirectional, never shares them)
+        enc = model if bundle.vision_path == bundle.path else \
+            file_identity(bundle.vision_path, c.kv_offload_dir, memo_name=MMPROJ_IDENTITY_FILE)
+        parts += ["vision", enc, bundle.vision_spec]
+    fp = fingerprint(parts)
     disk = MmapTierIO(c.kv_offload_dir, pool, blocks, fp)
     host_gb = c.kv_offload_host_gb
     if host_gb is None:

@@ -78,13 +78,14 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def file_identity(path: str, cache_dir: str | os.PathLike | None = None) -> tuple[int, str]:
+def file_identity(path: str, cache_dir: str | os.PathLike | None = None,
+                  memo_name: str = IDENTITY_FILE) -> tuple[int, str]:
     """(size, SHA-256 of the whole file) of a model file: its identity in a fingerprint, so two GGUFs that
     differ anywhere (a middle tensor included) never share a tier. The file is read once, SEGMENTs in
     parallel threads (a progress bar past PROGRESS_S); with `cache_dir` the hash is kept there and reused
-    while the file's stat (device, inode, size, mtime, ctime) is unchanged."""
+    while the file's stat (device, inode, size, mtime, ctime) is unchanged (`memo_name`: one memo a file)."""
     st = os.stat(path)
-    memo = Path(cache_dir) / IDENTITY_FILE if cache_dir is not None else None
+    memo = Path(cache_dir) / memo_name if cache_dir is not None else None
     if memo is not None:
         try:
             kept = json.loads(memo.read_text())

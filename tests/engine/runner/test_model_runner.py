@@ -26,7 +26,7 @@ def test_pool_sizing_modes():
     bf, bs = bytes_per_token(cfg, torch.float32)
     assert k >= 1 and k * full_record == swa_record and bs == swa_record * 4 and bf <= full_record * 4
     assert plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU).kv_format.name == "q8_0"  # auto, native
-    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU, "exact")  # auto: fp16; 32768 full + a quarter SWA
+    d = plan_kv_pools(cfg, CacheConfig(), sched, 32768, CPU, "exact")  # fp16; 32768 full + a quarter SWA
     assert d.full_per_block == k and d.num_blocks == -(-32768 // (16 * k)) + 32768 // 4 // 16
     assert d.swa_cap == d.num_blocks and d.block_bytes == 16 * swa_record * d.dtype.itemsize
     e = plan_kv_pools(cfg, CacheConfig(full_tokens=100_000, swa_tokens=30_000), sched, 32768, CPU)

@@ -104,3 +104,26 @@ def test_the_engine_refuses_a_tier_written_by_another_file(tmp_path: Path) -> No
         assert llm.engine.tier.reopened > 0
     with LLM(str(b), **kw) as llm:  # a middle tensor differs: none is
         assert llm.engine.tier.reopened == 0 and len(llm.engine.tier) == 0
+
+
+def test_the_engine_refuses_a_tier_written_with_another_image_encoder(tmp_path: Path) -> None:
+    """Image pages are keyed by the pixels' hash, so the encoder that made their KV is part of the tier's
+    fingerprint: the demo model with its own mmproj reuses its records, with another mmproj (other
+    weights) it reuses none."""
+    from swaserve.models.demo.tiny import make_mmproj
+
+    other = make_mmproj("tiny", str(tmp_path / "other.mmproj.gguf"), seed=7)
+    kw = dict(cpu_matmul="exact", chunked_prefill_size=96, max_running_requests=2, max_total_tokens=512,
+              swa_tokens=256, kv_offload_dir=str(tmp_path / "tier"), kv_offload_gb=0.05)
+    prompt = [[2] + list(range(10, 200))]
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with LLM(**kw) as llm:  # the demo model brings its own encoder
+        assert llm.engine.vision_spec is not None
+        llm.generate(prompt, greedy)
+        llm.engine.cache.evict_full(10**6)
+        assert len(llm.engine.tier) > 0
+    with LLM(**kw) as llm:
+        assert llm.engine.tier.reopened > 0
+    with LLM(mmproj=other, **kw) as llm:
+        assert llm.engine.tier.reopened == 0
+    assert (tmp_path / "tier" / "swaserve-kv.mmproj-hash").exists()
