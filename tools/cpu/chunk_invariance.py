@@ -7,9 +7,10 @@ the next id) under several chunkings of the same prefill, each reading the earli
 the pool as a cached prefix does: `whole` (one chunk), `c64`, `c256`, and `prefix` (the first 5/8 of the
 ids in chunks of 256, the rest in chunks of 48: a prefix cached by one request, the tail prefilled by
 another with another chunk size). Prints the max |Δlogprob| and top-1 agreement of each against `whole`.
-Rows: `none` (as served), `before` (prefill attention blocks cut from each chunk's first row, as before
-torch_backend.INVARIANT). `--bisect` adds float64 stand-ins (`attn`: SDPA per row over each row's visible
-keys; `linear`: every dense matmul, not the MoE experts), which name the op that makes the difference.
+Rows: `none` (as served), `before` (prefill attention in 256-row blocks cut from each chunk's first row,
+as before torch_backend.INVARIANT). `--bisect` adds float64 stand-ins (`attn`: SDPA per row over each
+row's visible keys; `linear`: every dense matmul, not the MoE experts), which name the op that makes the
+difference.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def _sdpa64(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
 @contextlib.contextmanager
 def stand_in(op: str) -> Iterator[None]:
     """Replace `op` ('attn', 'linear', 'attn+linear', or 'none') by its float64 stand-in; with 'before':
-    the prefill attention's blocks from each chunk's first row (torch_backend.INVARIANT off)."""
+    the prefill attention's 256-row blocks from each chunk's first row (torch_backend.INVARIANT off)."""
     from swaserve.engine.attention import torch_backend
     from swaserve.engine.quant.dequant import dequantize
     from swaserve.models import gemma4
 
-    saved = (torch_backend.F, gemma4.Gemma4Model._linear, torch_backend.INVARIANT)
-    torch_backend.INVARIANT = "before" not in op
+    saved = (torch_backend.F, gemma4.Gemma4Model._linear, torch_backend.INVARIANT, torch_backend.QUERY_BLOCK)
+    if "before" in op:
+        torch_backend.INVARIANT, torch_backend.QUERY_BLOCK = False, 256
     if "attn" in op:
         torch_backend.F = SimpleNamespace(scaled_dot_product_attention=_sdpa64)
     if "linear" in op:
@@ -85,7 +87,8 @@ def stand_in(op: str) -> Iterator[None]:
     try:
         yield
     finally:
-        torch_backend.F, gemma4.Gemma4Model._linear, torch_backend.INVARIANT = saved
+        (torch_backend.F, gemma4.Gemma4Model._linear, torch_backend.INVARIANT,
+         torch_backend.QUERY_BLOCK) = saved
 
 
 def main() -> None:

@@ -67,6 +67,12 @@ INVARIANT = pytest.mark.parametrize("invariant", [True, pytest.param(False, mark
                                     ids=["invariant", "before"])
 
 
+def before(monkeypatch, invariant: bool) -> None:
+    if not invariant:  # the old blocks: 256 rows from each chunk's first row
+        monkeypatch.setattr(torch_backend, "INVARIANT", False)
+        monkeypatch.setattr(torch_backend, "QUERY_BLOCK", 256)
+
+
 @INVARIANT
 def test_cached_prefix_gives_the_scratch_answer(model, invariant: bool, monkeypatch) -> None:
     name, path = model
@@ -75,7 +81,7 @@ def test_cached_prefix_gives_the_scratch_answer(model, invariant: bool, monkeypa
         # two layers over q8_0 KV: the old rounding differences rarely survive into the decoded tokens'
         # logprobs (they show in the prompt logprobs below)
         pytest.skip("before: only the tiny model's decoded tokens show the difference")
-    monkeypatch.setattr(torch_backend, "INVARIANT", invariant)
+    before(monkeypatch, invariant)
     shared = [2] + ids(1, max(lens) - 1)
     warm = shared + ids(2, tail)
     cached, scratch = engine(path, cached_chunk, "radix"), engine(path, scratch_chunk, "naive")
@@ -97,7 +103,7 @@ def test_cached_prefix_gives_the_scratch_answer(model, invariant: bool, monkeypa
 @INVARIANT
 def test_prompt_logprobs_do_not_depend_on_the_chunk_size(model, invariant: bool, monkeypatch) -> None:
     name, path = model
-    monkeypatch.setattr(torch_backend, "INVARIANT", invariant)
+    before(monkeypatch, invariant)
     lens, tail, chunk_a, chunk_b = CASES[name]
     prompt = [2] + ids(3, max(lens) + tail - 1)
     rows = []
