@@ -38,9 +38,9 @@ def model(request, tmp_path_factory) -> tuple[str, str | None]:
     return "small-2L", str(path)
 
 
-def engine(path: str | None, chunk: int, cache: str) -> LLM:
+def engine(path: str | None, chunk: int, cache: str, batch_invariant: bool = False) -> LLM:
     return LLM(path, cache_type=cache, chunked_prefill_size=chunk, max_running_requests=1, cpu_threads=1,
-               device="cpu", progress=False)
+               device="cpu", progress=False, batch_invariant=batch_invariant)
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -116,3 +116,29 @@ def test_prompt_logprobs_do_not_depend_on_the_chunk_size(model, invariant: bool,
         assert o.prompt_logprobs is not None
         rows.append([(lp.logprob, lp.top) for lp in o.prompt_logprobs[1:] if lp is not None])
     assert rows[0] == rows[1] == rows[2]
+
+
+@pytest.mark.parametrize("batch_invariant", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="decode-written KV: the one-row kernel's rounding, a scratch prefill: the blocks'"))],
+    ids=["batch-invariant", "default"])
+def test_a_generated_turn_reused_gives_the_scratch_answer(batch_invariant: bool) -> None:
+    """The next turn's prompt = the last prompt + its greedy output + more: its cached prefix holds KV that
+    decode steps wrote. Bit-equal to a scratch prefill only under --batch-invariant (tiny)."""
+    cached, scratch = engine(None, 64, "radix", batch_invariant), engine(None, 256, "naive", batch_invariant)
+    try:
+        for seed in range(4):
+            cached.engine.flush_cache()
+            first = [2] + ids(100 + seed, 149)
+            (o,) = cached.generate([first], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            nxt = first + o.token_ids + ids(200 + seed, 20)
+            a, b = greedy(cached, nxt), greedy(scratch, nxt)
+            assert a.cached > len(first)  # the hit reaches into the generated turn
+            assert a.tokens == b.tokens and a.logprobs == b.logprobs, (seed, a, b)
+    finally:
+        cached.close()
+        scratch.close()
+
+
+def test_batch_invariant_needs_the_native_path() -> None:
+    with pytest.raises(ValueError, match="--batch-invariant"):
+        LLM(None, cpu_matmul="exact", batch_invariant=True, device="cpu")
