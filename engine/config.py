@@ -222,6 +222,14 @@ class EngineConfig:
         help="CPU quantized linears of fp32 activations: native (default: integer kernels with 8-bit "
              "activations, llama.cpp's numerics; the IQ1-3 codebook types stay exact), exact (dequantize + "
              "fp32 matmul) or fast (bf16 int4 kernel, Q4_0)")
+    # prefill rows through the native one-row decode kernel (models/architectures.py sets
+    # NativeAttentionBackend.row_prefill): prompt KV then has the bits a decode step would have written
+    batch_invariant: bool = option(
+        False, "--batch-invariant",
+        help="CPU native path: compute prefill attention one row at a time as decode does, so a prefix "
+             "written by decode steps (a generated turn) reused from the cache gives a scratch prefill's "
+             "answer too (prompt prefixes are chunk-invariant without it; prefill 1.25-1.8x slower, "
+             "docs/cache.md)")
     no_cuda_graphs: bool = option(
         False, "--no-cuda-graphs",
         help="CUDA: run decode steps eagerly instead of replaying one captured graph per batch-size "

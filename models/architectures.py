@@ -41,6 +41,11 @@ def _build_gemma4(loaded: LoadedModel, cfg: EngineConfig, device: torch.device) 
 
         attn_name = "native" if native.available() else "torch"  # decode attention from the pool
     attn = get_attention_backend(attn_name, device)
+    if cfg.batch_invariant:
+        if not hasattr(attn, "row_prefill"):
+            raise ValueError(f"--batch-invariant needs the native CPU attention backend (--cpu-matmul native "
+                             f"on CPU, --attention-backend auto or native), not {type(attn).__name__}")
+        attn.row_prefill = True  # type: ignore[attr-defined]
     moe = get_moe_backend(cfg.moe_backend, loaded.config, loaded.weights.experts, device, cfg.moe_cache_size,
                           cfg.cpu_matmul)
     return Gemma4Model(loaded.config, loaded.weights, attn, moe, device, act_dtype, cfg.cpu_matmul)

@@ -2,13 +2,17 @@
 
 Per batch and pool kind (full / sliding) a gather plan is built once and kept in the metadata's
 `backend_plans` (so build a new AttentionMetadata per batch; never mutate one between steps).
-Decode rows (q_len 1) are padded into one batched SDPA call. Prefill sequences are cut into blocks
-of `QUERY_BLOCK` query rows; a block at positions [a, b) attends only to the keys it can see:
-[max(0, a - window + 1), b) on sliding layers (so the cost is linear in the prompt length) and
-[0, b) on full layers, with a small [rows, keys] mask per block (on sliding layers under bidirectional
-image attention a block's keys reach the end of the last image it holds: AttentionMetadata.key_ends).
-A full-layer prefill without a cached prefix runs as one causal SDPA call (is_causal is exact there
-and skips masked tiles).
+Decode rows (q_len 1) are padded into one batched SDPA call. Prefill rows are cut into blocks
+of `QUERY_BLOCK` query rows on absolute positions ([k * QUERY_BLOCK, (k + 1) * QUERY_BLOCK), a chunk's
+first and last blocks partial); a block attends to the keys its positions can see: [max(0, A - window + 1),
+B) on sliding layers (so the cost is linear in the prompt length) and [0, B) on full layers, [A, B) the
+block's whole span, with a small [QUERY_BLOCK, keys] mask (on sliding layers under bidirectional image
+attention a block's keys reach the end of the last image it holds: AttentionMetadata.key_ends). A partial
+block is padded to QUERY_BLOCK rows (zero queries) and reads the keys of its whole span (past the chunk's
+end: a real slot, masked), so every SDPA call that computes a row has the same shape and the row the same
+place in it whatever the chunking: torch's CPU flash kernel rounds by the call's key count and query tile,
+and the same row then gives the same bits with its prefix cached or not (chunk-invariant; docs/cache.md
+"Reuse that does not change answers"). No is_causal call for the same reason.
 Each sequence's visible keys are gathered from the pool once per layer; blocks slice them. Inputs
 are 4-D so torch picks its fused (flash) CPU kernel; GQA uses `enable_gqa`, K/V are never repeated.
 q8_0 / fp8 pools are dequantized as they are gathered (the oracle of the other backends' 8-bit paths:
@@ -29,7 +33,10 @@ from swaserve.engine.attention.kv_pool import KVPool
 from swaserve.engine.quant.blocks_legacy import decode_q8_0
 from swaserve.engine.quant.kv_quant import head_dim
 
-QUERY_BLOCK = 256  # query rows per prefill block
+QUERY_BLOCK = 64  # query rows per prefill block (64: a small chunk pads little; measured no slower at 2048)
+# Chunk-invariant prefill blocks (see the module docstring); False: blocks from the chunk's first row, as
+# before (tools/cpu/chunk_invariance.py measures both)
+INVARIANT = True
 
 
 @dataclass
@@ -38,7 +45,8 @@ class _Block:
     num_rows: int  # query rows
     key_start: int  # first visible key, as an offset into the sequence's gathered keys
     key_end: int  # one past the last visible key (same offsets)
-    mask: torch.Tensor | None  # [num_rows, key_end - key_start] bool, True = attend; None = is_causal
+    mask: torch.Tensor | None  # [rows, key_end - key_start] bool, True = attend; None = is_causal
+    pad_before: int = -1  # invariant blocks (QUERY_BLOCK rows): zero query rows before the first real one
 
 
 @dataclass
@@ -82,28 +90,47 @@ def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tens
 
 def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_size: int,
                   table_row: torch.Tensor, sliding: bool, device: torch.device,
-                  ends: list[int] | None = None) -> _Prefill:
-    """`ends`: the rows' key ends (AttentionMetadata.key_ends; sliding layers; None: causal)."""
-    start, end = _key_start(prefix, window, sliding), prefix + num_rows
-    kpos = torch.arange(start, end, device=device)  # [S]
-    pf = _Prefill(table_row[kpos // page_size] * page_size + kpos % page_size)  # [S]
-    if not sliding and prefix == 0:
+                  ends: list[int] | None = None, invariant: bool = False) -> _Prefill:
+    """`ends`: the rows' key ends (AttentionMetadata.key_ends; sliding layers; None: causal).
+    `invariant`: blocks on absolute multiples of QUERY_BLOCK, each padded to the same SDPA call whatever
+    the chunk (QUERY_BLOCK query rows, keys [first key of the block's first position, block end)), so a
+    row's result does not depend on where its chunk starts or ends."""
+    end = prefix + num_rows
+    if not invariant and not sliding and prefix == 0:
+        kpos = torch.arange(0, end, device=device)  # [S]
+        pf = _Prefill(table_row[kpos // page_size] * page_size + kpos % page_size)
         pf.blocks.append(_Block(first_row, num_rows, 0, num_rows, None))  # plain causal, whole sequence
         return pf
-    for a in range(prefix, end, QUERY_BLOCK):
-        b = min(end, a + QUERY_BLOCK)
-        lo = _key_start(a, window, sliding)
-        qpos = torch.arange(a, b, device=device)[:, None]  # [nb, 1]
-        if ends is None:
-            hi, mask_end = b, qpos + 1  # [nb, 1]
-        else:  # an image's tokens also see its later tokens (all in this chunk)
-            row_ends = ends[a - prefix:b - prefix]
-            hi, mask_end = max(row_ends), torch.tensor(row_ends, device=device)[:, None]  # [nb, 1]
+    qb = QUERY_BLOCK
+    cuts = [prefix, *range((prefix // qb + 1) * qb, end, qb)] if invariant else [*range(prefix, end, qb)]
+    spans = []  # (a, b, first position of the call's rows, its rows, first key, key end)
+    for a in cuts:
+        if invariant:
+            a0 = a // qb * qb
+            b, r0, nr, hi = min(end, a0 + qb), a0, qb, a0 + qb
+        else:
+            b = min(end, a + qb)
+            r0, nr, hi = a, b - a, b
+        if ends is not None:  # an image's tokens also see its later tokens (all in this chunk)
+            hi = max(hi, *ends[a - prefix:b - prefix])
+        spans.append((a, b, r0, nr, _key_start(r0, window, sliding), hi))
+    start, stop = min(s[4] for s in spans), max(s[5] for s in spans)
+    # [S]; keys only padding rows see (before the chunk's first visible key, past its end): a real slot
+    kpos = torch.arange(start, stop, device=device).clamp_(_key_start(prefix, window, sliding), end - 1)
+    pf = _Prefill(table_row[kpos // page_size] * page_size + kpos % page_size)
+    for a, b, r0, nr, lo, hi in spans:
+        qpos = torch.arange(r0, r0 + nr, device=device)[:, None]  # [nr, 1]
+        mask_end = qpos + 1  # [nr, 1]
+        if ends is not None:
+            row_ends = torch.tensor(ends[a - prefix:b - prefix], device=device)
+            mask_end = mask_end.clone()
+            mask_end[a - r0:b - r0, 0] = row_ends
         kp = torch.arange(lo, hi, device=device)[None, :]  # [1, Sb]
-        mask = kp < mask_end  # [nb, Sb]
+        mask = kp < mask_end  # [nr, Sb]
         if sliding:
             mask &= kp > qpos - window
-        pf.blocks.append(_Block(first_row + a - prefix, b - a, lo - start, hi - start, mask))
+        pf.blocks.append(_Block(first_row + a - prefix, b - a, lo - start, hi - start, mask,
+                                a - r0 if invariant else -1))
     return pf
 
 
@@ -121,7 +148,7 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
         if n > 1:
             ends = meta.key_ends[cu[b]:cu[b] + n] if bidir else None  # type: ignore[index]
             plan.prefills.append(_plan_prefill(cu[b], meta.prefix_lens[b], n, meta.window, meta.page_size,
-                                               table[b], sliding, device, ends))
+                                               table[b], sliding, device, ends, INVARIANT))
     return plan
 
 
@@ -191,23 +218,31 @@ class TorchAttentionBackend(AttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
         sliding, K, V = write_kv(layer, k, v, meta, pool)  # [slots, KVH, R]
-
-        T, H, D = q.shape
-        KVH = k.shape[1]
-        G = H // KVH
         out = torch.empty_like(q)  # [T, H, D]
         plan = _get_plan(meta, sliding, q.device)
         if plan.decode_rows is not None:
             self._decode(q, K, V, plan, out)
+        if plan.prefills:
+            self._prefill(q, K, V, meta, sliding, plan, out)
+        return out
+
+    def _prefill(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: AttentionMetadata,
+                 sliding: bool, plan: _Plan, out: torch.Tensor) -> None:
+        """The q_len > 1 rows: per sequence its visible keys gathered once, one SDPA call per block."""
+        G = q.shape[1] // K.shape[1]
         for pf in plan.prefills:
             kg = self._gather("k", K, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
             vg = self._gather("v", V, pf.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
             for blk in pf.blocks:
                 r0, r1 = blk.first_row, blk.first_row + blk.num_rows
                 k0, k1 = blk.key_start, blk.key_end
-                qb = q[r0:r1].transpose(0, 1)[None]  # [1, H, n, D]
+                p0 = max(blk.pad_before, 0)
+                if blk.pad_before < 0 or blk.num_rows == QUERY_BLOCK:
+                    qb = q[r0:r1].transpose(0, 1)[None]  # [1, H, n, D]
+                else:  # a partial block: its real rows at their place among QUERY_BLOCK rows
+                    qb = q.new_zeros(1, q.shape[1], QUERY_BLOCK, q.shape[2])  # [1, H, QUERY_BLOCK, D]
+                    qb[0, :, p0:p0 + blk.num_rows] = q[r0:r1].transpose(0, 1)
                 o = F.scaled_dot_product_attention(
                     qb, kg[:, :, k0:k1], vg[:, :, k0:k1], attn_mask=blk.mask,
-                    is_causal=blk.mask is None, scale=1.0, enable_gqa=G > 1)  # [1, H, n, D]
-                out[r0:r1] = o[0].transpose(0, 1)
-        return out
+                    is_causal=blk.mask is None, scale=1.0, enable_gqa=G > 1)  # [1, H, rows, D]
+                out[r0:r1] = o[0, :, p0:p0 + blk.num_rows].transpose(0, 1)

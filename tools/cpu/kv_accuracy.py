@@ -65,8 +65,11 @@ def score(path: str | None, kv: str, ids: list[int], matmul: str, threads: int, 
               max_total_tokens=room, swa_tokens=room)
     eng = llm.engine
     model, pool, page = eng.runner.model, eng.pool, eng.config.cache.page_size
-    pages = list(range(-(-n // page)))
-    req = SimpleNamespace(full_pages=pages, swa_pages=pages, attn_blocks=())
+    npages = -(-n // page)
+    k = getattr(pool, "full_per_block", 0)  # an arena: full page f is in block f // k, SWA page s is block s
+    swa0 = -(-npages // k) if k else 0  # SWA pages in blocks no full page uses
+    req = SimpleNamespace(full_pages=list(range(npages)), swa_pages=list(range(swa0, swa0 + npages)),
+                          attn_blocks=())
     rows = []
     with torch.no_grad():
         for start in range(0, n, step):

@@ -101,10 +101,13 @@ def test_torch_backend_bidirectional(query_block: int, monkeypatch: pytest.Monke
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
-def test_native_backend_bidirectional() -> None:
+@pytest.mark.parametrize("row_prefill", [False, True], ids=["blocks", "row-prefill"])  # --batch-invariant
+def test_native_backend_bidirectional(row_prefill: bool) -> None:
     from swaserve.engine.attention.native_backend import NativeAttentionBackend
 
-    run(unpoison(image_case(2, page=1)), NativeAttentionBackend())
+    be = NativeAttentionBackend()
+    be.row_prefill = row_prefill
+    run(unpoison(image_case(2, page=1)), be)
 
 
 @pytest.mark.parametrize("page", [1, 4])

@@ -21,10 +21,13 @@ def _backend() -> TorchAttentionBackend:
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("layout", ["split", "arena"])
-def test_mixed_batch_prefill_and_decode(page_size: int, layout: str) -> None:
+@pytest.mark.parametrize("row_prefill", [False, True], ids=["blocks", "row-prefill"])  # --batch-invariant
+def test_mixed_batch_prefill_and_decode(page_size: int, layout: str, row_prefill: bool) -> None:
     # decodes within and beyond the window (sliding) and over every key (full), beside prefills
+    be = _backend()
+    be.row_prefill = row_prefill  # type: ignore[attr-defined]
     _run_case(page_size, window=8, prefixes=[0, 13, 37, 5, 0, 50, 21, 1], q_lens=[9, 1, 1, 20, 1, 31, 1, 7],
-              seed=page_size, layout=layout, kvh_swa=4 if layout == "arena" else 2, be=_backend())
+              seed=page_size, layout=layout, kvh_swa=4 if layout == "arena" else 2, be=be)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
