@@ -35,8 +35,7 @@ from swaserve.engine.validation import RequestLimits, validate_request
 
 log = logging.getLogger("swaserve.engine")
 
-# GGUF generation metadata (written by llama.cpp's converters from the HF generation_config.json)
-# -> SamplingParams field names
+
 class Engine:
     """Owns the model runner, the KV pools, the prefix cache and the scheduler (see the module docstring)."""
 

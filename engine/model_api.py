@@ -55,6 +55,8 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+# GGUF generation metadata (written by llama.cpp's converters from the HF generation_config.json)
+# -> SamplingParams field names
 SAMPLING_METADATA = {
     "general.sampling.temp": "temperature",
     "general.sampling.top_k": "top_k",

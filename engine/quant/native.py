@@ -160,7 +160,8 @@ def load() -> ctypes.CDLL | None:
     _why_not = _cpu_ok()
     if not _why_not:
         try:
-            # (OMP_WAIT_POLICY is set in swaserve/__init__.py: libgomp has read it by now)
+            # no OMP_WAIT_POLICY here: torch loaded libgomp first, which read the environment then (a
+            # setdefault at this point never took effect; docs/benchmarks.md, threads on a busy machine)
             _lib = _open(_build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = str(e)

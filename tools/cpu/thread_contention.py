@@ -33,7 +33,15 @@ def _cell(engine: str, args: argparse.Namespace, threads: int, policy: str, neig
     else:
         peer = Path(__file__).resolve().parents[2] / "bench" / "speed_peer.py"
         cmd = [args.peer_python, str(peer), *common]
-    env = dict(os.environ, OMP_WAIT_POLICY=policy)
+    env = dict(os.environ)
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy == "DEFAULT":  # libgomp's own default: spin a while (GOMP_SPINCOUNT 300000), then sleep
+        env.pop("OMP_WAIT_POLICY", None)
+    elif policy.startswith("SPIN="):  # libgomp's spin count before a thread sleeps (overrides the policy)
+        env["GOMP_SPINCOUNT"] = policy[len("SPIN="):]
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = policy
     burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(neighbours)]
     try:
         time.sleep(0.5 if neighbours else 0)
@@ -55,7 +63,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", required=True)
     p.add_argument("--neighbours", default="0,1", help="busy neighbour processes, comma-separated")
-    p.add_argument("--policies", default="PASSIVE,ACTIVE", help="OMP_WAIT_POLICY values")
+    p.add_argument("--policies", default="DEFAULT,PASSIVE",
+                   help="OMP_WAIT_POLICY values, DEFAULT (unset: libgomp's), or SPIN=N (GOMP_SPINCOUNT=N)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=32)
