@@ -24,7 +24,8 @@ class Swa:
         t0 = time.perf_counter()
         self.llm = LLM(args.gguf, progress=True, cpu_threads=args.threads, cpu_matmul=args.cpu_matmul,
                        max_running_requests=n_seq, chunked_prefill_size=chunk, device="cpu",
-                       kv_cache_memory_gb=args.kv_gb, kv_cache_dtype=args.kv_dtype)
+                       kv_cache_memory_gb=args.kv_gb, kv_cache_dtype=args.kv_dtype,
+                       cpu_threads_follow_load=args.follow_load)
         self.load_s = time.perf_counter() - t0
         self.engine = self.llm.engine
         self.vocab = self.engine.model_config.vocab_size
@@ -53,9 +54,11 @@ class Swa:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cpu-matmul", default="native")
+    p.add_argument("--follow-load", action="store_true",
+                   help="the thread count follows the free cores, up to --threads")
     known, rest = p.parse_known_args()
     args = parse_common(rest)
-    args.cpu_matmul = known.cpu_matmul
+    args.cpu_matmul, args.follow_load = known.cpu_matmul, known.follow_load
     streams = [int(s) for s in args.streams.split(",") if s]
     engine = Swa(args, max([1, *streams]))
     res = measure(engine, args)

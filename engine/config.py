@@ -205,10 +205,14 @@ class EngineConfig:
         0, "--moe-cache-size", min=0,
         help="experts kept on the GPU by the offload backend (0 = size from free memory)")
     seed: int = option(0, "--seed", help="engine seed for requests without a seed")
+    # each step's thread count follows the cores other processes leave free (engine/runner/threads.py), at
+    # most cpu_threads; `swaserve serve` turns it on when --cpu-threads is not given
+    cpu_threads_follow_load: bool = option(False)
     # torch intra-op threads on CPU; None = torch's default (all cores)
     cpu_threads: int | None = option(
         None, "--cpu-threads", min=1,
-        help="torch threads for CPU compute (default: all cores; `serve` leaves one core "
+        help="torch threads for CPU compute, fixed (default: all cores, and `serve` follows the cores "
+             "other processes leave free, step by step; with --no-engine-process it leaves one core "
              "to the HTTP server)")
     # CPU block-type linears with fp32 activations: "native" (integer kernels with 8-bit activations,
     # llama.cpp's numerics: engine/quant/native.py for Q4_0, weights repacked at load;

@@ -27,6 +27,7 @@ from swaserve.engine.core import (
 )
 from swaserve.engine.kvcache import Match, snapshot
 from swaserve.engine.model_api import ModelBundle, generation_defaults
+from swaserve.engine.runner.threads import governor_for
 from swaserve.engine.scheduler import StepOutput, make_reqs
 from swaserve.engine.text.grammar import GrammarBackend
 from swaserve.engine.text.template_sandbox import RenderLimits
@@ -46,6 +47,7 @@ class Engine:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide intra-op pool
         t0 = time.monotonic()
         parts = build_engine_parts(cfg, bundle)
+        self.threads = governor_for(cfg.cpu_threads_follow_load, cfg.cpu_threads, parts.device.type)
         self.config = cfg
         self.model_config = parts.model_config
         self.model_name = parts.model_name
@@ -166,6 +168,8 @@ class Engine:
         """One scheduler step: schedule, run the model, sample, update; returns the new outputs."""
         self._check_open()
         t0 = time.perf_counter()
+        if self.threads is not None:  # the team follows the free cores (a busy neighbour stalls a wider one)
+            self.threads.update()
         batch, aborted = self.scheduler.schedule()
         outs: list[RequestOutput] = []
         for r in aborted:

@@ -290,6 +290,10 @@ def run_serve(args: argparse.Namespace) -> int:
         # another busy thread of its process stalls at every barrier (measured: 13.5k-token prefill 4.9 s
         # with 1 thread on 2 cores, 23-35 s with 2). In its own process the engine takes every core.
         engine_cfg = dataclasses.replace(engine_cfg, cpu_threads=max(1, (os.cpu_count() or 1) - 1))
+    elif engine_cfg.cpu_threads is None:
+        # in its own process: every core, or as many as other processes leave free (a 2-thread team beside
+        # one busy process decodes at half the speed of 1 thread; docs/benchmarks.md)
+        engine_cfg = dataclasses.replace(engine_cfg, cpu_threads_follow_load=True)
     server_cfg = server_config_from_args(args)
     _check_bind(args.host, args.port)
 

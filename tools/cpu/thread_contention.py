@@ -30,12 +30,16 @@ def _cell(engine: str, args: argparse.Namespace, threads: int, policy: str, neig
               "--reps", str(args.reps)]
     if engine == "swaserve":
         cmd = [sys.executable, "-m", "swaserve.bench.speed_worker", *common, "--kv-gb", "1"]
+        if policy == "FOLLOW":  # the default policy, and the thread count follows the free cores
+            cmd.append("--follow-load")
+    elif policy == "FOLLOW":
+        return None
     else:
         peer = Path(__file__).resolve().parents[2] / "bench" / "speed_peer.py"
         cmd = [args.peer_python, str(peer), *common]
     env = dict(os.environ)
     env.pop("GOMP_SPINCOUNT", None)
-    if policy == "DEFAULT":  # libgomp's own default: spin a while (GOMP_SPINCOUNT 300000), then sleep
+    if policy in ("DEFAULT", "FOLLOW"):  # libgomp's default: spin a while (GOMP_SPINCOUNT 300000), then sleep
         env.pop("OMP_WAIT_POLICY", None)
     elif policy.startswith("SPIN="):  # libgomp's spin count before a thread sleeps (overrides the policy)
         env["GOMP_SPINCOUNT"] = policy[len("SPIN="):]
@@ -64,7 +68,8 @@ def main() -> None:
     p.add_argument("--gguf", required=True)
     p.add_argument("--neighbours", default="0,1", help="busy neighbour processes, comma-separated")
     p.add_argument("--policies", default="DEFAULT,PASSIVE",
-                   help="OMP_WAIT_POLICY values, DEFAULT (unset: libgomp's), or SPIN=N (GOMP_SPINCOUNT=N)")
+                   help="OMP_WAIT_POLICY values, DEFAULT (unset: libgomp's), SPIN=N (GOMP_SPINCOUNT=N), "
+                        "FOLLOW (swaserve: DEFAULT, threads follow the free cores)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=32)
