@@ -207,7 +207,11 @@ class EngineConfig:
     seed: int = option(0, "--seed", help="engine seed for requests without a seed")
     # each step's thread count follows the cores other processes leave free (engine/runner/threads.py), at
     # most cpu_threads; `swaserve serve` turns it on when --cpu-threads is not given
-    cpu_threads_follow_load: bool = option(False)
+    cpu_threads_follow_load: bool = option(
+        False, "--cpu-threads-follow-load",
+        help="each step's CPU thread count follows the cores other processes leave free, up to "
+             "--cpu-threads (on by default for `serve` without --cpu-threads; a fixed --cpu-threads N "
+             "turns it off there)")
     # torch intra-op threads on CPU; None = torch's default (all cores)
     cpu_threads: int | None = option(
         None, "--cpu-threads", min=1,
