@@ -79,8 +79,6 @@ def _prefill_kernel(
     if BIDIR:  # an image's soft tokens also see its later ones (all in this chunk)
         kend = tl.load(kend_ptr + tok, mask=m_mask, other=0)  # [BM]
         hi = tl.maximum(hi, tl.max(kend, 0))
-    else:
-        kend = pos + 1  # [BM] causal
     if SLIDING:
         lo = tl.maximum(prefix + m0 - window + 1, 0)
     else:
@@ -105,7 +103,10 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BM, BN]
         else:
             s = tl.dot(q, tl.trans(k)) * sm_scale  # [BM, BN]
-        mask = n_valid[None, :] & (offs_n[None, :] < kend[:, None])
+        if BIDIR:
+            mask = n_valid[None, :] & (offs_n[None, :] < kend[:, None])
+        else:  # causal (no second [BM] bound live in registers: D512 q8_0 spilled with one)
+            mask = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
         if SLIDING:
             mask = mask & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(mask, s, float("-inf"))

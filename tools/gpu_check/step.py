@@ -121,7 +121,8 @@ def check_peak_step(c: Ctx, S) -> list[Row]:
     if c.cuda:
         torch.cuda.reset_peak_memory_stats(c.dev)
     t0 = time.perf_counter()
-    logits, pool_bytes = run_peak_step(SimpleNamespace(model=model, config=model.cfg, device=c.dev), cfg)
+    bundle = SimpleNamespace(model=model, config=model.cfg, device=c.dev, vision=None, vision_spec=None)
+    logits, pool_bytes = run_peak_step(bundle, cfg)
     ok = bool(torch.isfinite(logits).all())
     ms = (time.perf_counter() - t0) * 1e3
     note = f"chunk {chunk} + {decodes} decodes + logits + top-p"

@@ -50,6 +50,7 @@ def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, An
         cu_q_ptr="*i32",
         prefix_ptr="*i32",
         pt_ptr="*i64",
+        kend_ptr="*i32",
         sm_scale="fp32",
         dec_seq_ptr="*i32",
         po_ptr="*fp32",
@@ -63,11 +64,16 @@ def configs(arch: int = 90) -> list[tuple[str, Any, dict[str, str], dict[str, An
             t = dict(att, k_ptr=ptr, v_ptr=ptr)
             types = dict(DOT_F32=kv == "fp32", K_TYPE=kt, V_TYPE=kt)
             bm, bn, w, st = attention_kernels.prefill_block_sizes(D, G, shared, q8=kt == 1)
-            for sliding in (True, False):
-                c = dict(G=G, PAGE=16, D=D, BLOCK_M=bm, BLOCK_N=bn, SLIDING=sliding, **types)
+            # BIDIR (bidirectional image attention) only on sliding layers (triton_backend.py), whose
+            # head dim is 256 in Gemma 4
+            variants = [(True, False), (False, False)] + ([(True, True)] if D == 256 else [])
+            for sliding, bidir in variants:
+                c = dict(G=G, PAGE=16, D=D, BLOCK_M=bm, BLOCK_N=bn, SLIDING=sliding, BIDIR=bidir,
+                         **types)
+                name = f"attn prefill D{D} kv {kv} {'swa' if sliding else 'full'}{' bidir' * bidir}"
                 out.append(
                     (
-                        f"attn prefill D{D} kv {kv} {'swa' if sliding else 'full'}",
+                        name,
                         attention_kernels._prefill_kernel,
                         t,
                         c,
