@@ -117,7 +117,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
         cache.index_copy_(0, slots, rows)
 
 
-
 def _native_q8(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether a q8_0 write goes through native_ops.kv_store_q8 (bit-exact with the torch quantizer)."""
     return (cache.dtype == torch.uint8 and x.device.type == "cpu" and slots.dtype == torch.int64

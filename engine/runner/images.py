@@ -86,30 +86,28 @@ class ImageEmbedder:
             for i in range(0, len(group), self.max_batch):
                 part = group[i:i + self.max_batch]
                 try:
-                    outs = self._run(part)
-                except Exception as e:  # noqa: BLE001 - one image's data: retried alone below
+                    done = list(zip(part, self._run(part)))
+                except Exception as e:  # noqa: BLE001 - one image's data: a batch is retried image by image
                     if len(part) == 1:
                         failed[part[0].key] = e
                         continue
-                    outs = []
-                    for im in part:
-                        try:
-                            outs.extend(self._run([im]))
-                        except Exception as e1:  # noqa: BLE001 - this image fails its requests alone
-                            failed[im.key] = e1
-                            outs.append(None)
-                for im, r in zip(part, outs):
-                    if r is not None:
-                        rows[im.key] = r
-                        self._keep(im.key, r)
+                    done = self._run_each(part, failed)
+                for im, r in done:
+                    rows[im.key] = r
+                    self._keep(im.key, r)
         return rows, failed
 
-    def features(self, im: ImageInput) -> torch.Tensor:
-        """fp32 [im.length, H]: the image's soft-token rows, from the cache or encoded now."""
-        rows, failed = self.encode_all([im])
-        if im.key in failed:
-            raise failed[im.key]
-        return rows[im.key]
+    def _run_each(self, part: list[ImageInput], failed: dict[int, Exception]
+                  ) -> list[tuple[ImageInput, torch.Tensor]]:
+        """The images of a failed batch one forward each: (image, rows) of those that encode, the others'
+        errors into `failed` (a bad image fails its requests alone)."""
+        done = []
+        for im in part:
+            try:
+                done.append((im, self._run([im])[0]))
+            except Exception as e:  # noqa: BLE001 - this image's data
+                failed[im.key] = e
+        return done
 
     def rows_for(self, batch: Batch, failed: dict[Any, Exception]
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -29,6 +29,8 @@ def _cdiv(a: int, b: int) -> int:
 def key_ends(batch: Batch) -> list[int] | None:
     """AttentionMetadata.key_ends of a batch: [T] one past the last key each new token sees on the sliding
     layers (an image soft token: its span's end, Req.attn_blocks), or None when no token sees past itself."""
+    if not any(r.attn_blocks for r in batch.reqs):  # every step without a bidirectional image: causal
+        return None
     out: list[int] = []
     seen = False
     for r, p, q in zip(batch.reqs, batch.prefix_lens, batch.q_lens):

@@ -37,11 +37,6 @@ class StepOutput:
     finished: bool
 
 
-def _chunk(req: Req, start: int, budget: int) -> int:
-    """Tokens of req's next chunk from `start`: what the budget allows, moved off an image (Req.chunk_end)."""
-    return req.chunk_end(start, start + min(len(req.token_ids) - start, budget)) - start
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, context_length: int):
         self.cfg = cfg
@@ -129,7 +124,7 @@ class Scheduler:
                 break
             if r.status != ReqStatus.RUNNING:  # preempted in this loop
                 continue
-            q = self._fit_images(r, r.num_computed, _chunk(r, r.num_computed, budget))
+            q = self._chunk(r, r.num_computed, budget)
             if q == 0:  # its next image waits for the encoder budget of a later step
                 continue
             if self._grow_or_preempt(r, r.num_computed + q, plan):
@@ -149,9 +144,11 @@ class Scheduler:
             sample=[r.num_computed + plan[r] == len(r.token_ids) < r.max_len for r in reqs],
         ), aborted
 
-    def _fit_images(self, req: Req, start: int, q: int) -> int:
-        """q, cut before the first image past this step's encoder budget (scheduler/encoder_budget.py); the
-        cut lands on an image's start, so it keeps _chunk's rule (no chunk ends inside an image)."""
+    def _chunk(self, req: Req, start: int, budget: int) -> int:
+        """Tokens of req's next chunk from `start` (0: none this step): what the budget allows, moved off an
+        image (Req.chunk_end), then cut before the first image past this step's encoder budget
+        (scheduler/encoder_budget.py; that cut lands on an image's start, so no chunk ends inside one)."""
+        q = req.chunk_end(start, start + min(len(req.token_ids) - start, budget)) - start
         if self.encoder_budget is None or not req.images:
             return q
         return self.encoder_budget.fit(req, start, q)
@@ -164,7 +161,7 @@ class Scheduler:
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
                 continue
             reused = self.kv.admit(req)
-            q = self._fit_images(req, reused, _chunk(req, reused, budget))
+            q = self._chunk(req, reused, budget)
             if q == 0 or not self.kv.grow(req, reused + q):
                 self.kv.unadmit(req)
                 self.waiting.appendleft(req)
