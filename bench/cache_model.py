@@ -10,6 +10,28 @@ from swaserve.engine.core import Batch, Req
 from swaserve.engine.kvcache.tier.index import DictTierIO
 
 
+def write_and_verify(full: dict[int, tuple[int, int]], swa: dict[int, tuple[int, int]], r: Req, start: int,
+                     end: int, page_size: int, window: int) -> None:
+    """Play the KV pools for r's new positions [start, end): write each one's (position, token) into its
+    full and SWA slots (slot -> entry dicts), then read back every position the last of them attends to
+    (all of [0, end) in the full pool, the last `window` in the SWA pool) and assert it holds its token."""
+    P, W = page_size, window
+    for pos in range(start, end):
+        tok = r.token_ids[pos]
+        full[r.full_pages[pos // P] * P + pos % P] = (pos, tok)
+        sp = r.swa_pages[pos // P]
+        assert sp is not None, f"{r.rid}: no SWA page for new position {pos}"
+        swa[sp * P + pos % P] = (pos, tok)
+    for i in range(end):
+        got = full.get(r.full_pages[i // P] * P + i % P)
+        assert got == (i, r.token_ids[i]), f"{r.rid}: full KV of position {i} is {got}"
+    for i in range(max(0, end - W), end):
+        sp = r.swa_pages[i // P]
+        assert sp is not None, f"{r.rid}: SWA page of position {i} dropped (seq {end})"
+        got = swa.get(sp * P + i % P)
+        assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
+
+
 class AnswerModel:
     """The fake model: for a sampling row returns the next token of the request's predetermined answer.
     With check=True it also plays the KV pool: every new token's (position, token) is written into its
@@ -31,21 +53,7 @@ class AnswerModel:
         return out
 
     def _write_and_verify(self, r: Req, start: int, end: int) -> None:
-        P, W = self.page_size, self.window
-        for pos in range(start, end):
-            tok = r.token_ids[pos]
-            self.full[r.full_pages[pos // P] * P + pos % P] = (pos, tok)
-            sp = r.swa_pages[pos // P]
-            assert sp is not None, f"{r.rid}: no SWA page for new position {pos}"
-            self.swa[sp * P + pos % P] = (pos, tok)
-        for i in range(end):
-            got = self.full.get(r.full_pages[i // P] * P + i % P)
-            assert got == (i, r.token_ids[i]), f"{r.rid}: full KV of position {i} is {got}"
-        for i in range(max(0, end - W), end):
-            sp = r.swa_pages[i // P]
-            assert sp is not None, f"{r.rid}: SWA page of position {i} missing"
-            got = self.swa.get(sp * P + i % P)
-            assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
+        write_and_verify(self.full, self.swa, r, start, end, self.page_size, self.window)
 
 
 class SimTierIO(DictTierIO):

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
+from swaserve.bench.cache_model import write_and_verify
 from swaserve.engine.core import Batch
 
 
@@ -59,21 +60,8 @@ class CheckingModel:
         P, W = self.P, self.W
         for r, start, q, samp in zip(batch.reqs, batch.prefix_lens, batch.q_lens, batch.sample):
             self.tokens += q
-            for pos in range(start, start + q):
-                tok = r.token_ids[pos]
-                self.full[r.full_pages[pos // P] * P + pos % P] = (pos, tok)
-                sp = r.swa_pages[pos // P]
-                assert sp is not None, f"{r.rid}: no SWA page for new position {pos}"
-                self.swa[sp * P + pos % P] = (pos, tok)
             end = start + q
-            for i in range(end):  # what the last new token reads
-                got = self.full.get(r.full_pages[i // P] * P + i % P)
-                assert got == (i, r.token_ids[i]), f"{r.rid}: full KV of position {i} is {got}"
-            for i in range(max(0, end - W), end):
-                sp = r.swa_pages[i // P]
-                assert sp is not None, f"{r.rid}: SWA page of position {i} dropped (seq {end})"
-                got = self.swa.get(sp * P + i % P)
-                assert got == (i, r.token_ids[i]), f"{r.rid}: SWA KV of position {i} is {got}"
+            write_and_verify(self.full, self.swa, r, start, end, P, W)
             out.append(next_token(r.token_ids[:end], self.vocab) if samp else None)
         return out
 
