@@ -160,7 +160,7 @@ def _blockwise_fp32(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
     return acc
 
 
-@pytest.mark.parametrize("n", [8, 13, 40])
+@pytest.mark.parametrize("n", [8, 13, 40, 72])
 def test_tiles_equal_blockwise_recipe_at_every_m(n: int) -> None:
     """M = 1..40 (full 4-row tiles and every ragged tail, N with and without a partial 8-row group):
     bit-equal to the per-output recipe computed independently in torch, and within fp32 accumulation of
@@ -199,7 +199,7 @@ def test_vnni_and_maddubs_builds_give_the_same_bits() -> None:
     plain = native.build_variant(("-mno-avxvnni", "-mno-avx512vnni"))
     assert plain.swa_q4_vnni() == 0
     rng = np.random.default_rng(9)
-    n, k, inter, e = 24, 128, 64, 6
+    n, k, inter, e = 40, 128, 64, 6  # 5 groups: the single-row 4-group tile and one group after it
     qw = _q4(rng, n, k)
     packed = native.repack(qw.data, n, k)
     x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
