@@ -146,14 +146,17 @@ static void softmax_row(float* p, int64_t n) {
 }
 
 #define PF_KEYS 8  /* K and V rows prefetched this many keys ahead */
+#define V_KEYS 16  /* keys per block of the weighted sum */
+#define CONVERT_ONCE 4  /* query heads per KV head from which a K / V row is converted to fp32 once (into a
+                           per-thread buffer) rather than read from the pool by each head */
 
 /* Decode attention (one query token per sequence, scale 1): for decode row b (token row rows[b] of q
    and out, both [*, H, D] fp32) and query head j (KV head j / (H / KVH)): softmax over the keys at slots
    slots[b, 0 .. counts[b]) of q . K[slot], times V[slot]. K and V are the pool's strided views: the head
    row (slot, kv head) starts at byte slot * k_rs + kv_head * k_hs (V: v_rs, v_hs), stored as kt / vt
    (load_kv's types; read as fp32). Work items (b, kv head) run in parallel. Scores take 4 keys at a time
-   (4 independent accumulator chains); the weighted sum keeps 64 output floats in registers over all
-   keys. */
+   (4 independent accumulator chains); the weighted sum keeps 64 output floats in registers over a block
+   of V_KEYS keys. */
 void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, int64_t KVH, int64_t D,
                      const void* K, int64_t k_rs, int64_t k_hs, int kt, const void* V, int64_t v_rs,
                      int64_t v_hs, int vt, const int64_t* slots, int64_t S, const int64_t* counts, float* out,
@@ -163,6 +166,10 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
     #pragma omp parallel num_threads(nthreads) if (B * KVH > 1)
     {
         float* p = (float*)malloc((size_t)G * S * sizeof(float));
+        /* with G >= CONVERT_ONCE each K / V row is converted to fp32 once for the G query heads of its KV
+           head (load_kv's values: the same sums in the same order as reading the pool G times) */
+        float* kf = (float*)malloc((size_t)4 * D * sizeof(float));
+        float* vf = (float*)malloc((size_t)V_KEYS * D * sizeof(float));
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < B * KVH; ++it) {
             const int64_t b = it / KVH, kh = it % KVH, n = counts[b];
@@ -172,7 +179,15 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
             float* ob = out + (rows[b] * H + kh * G) * D;
             for (int64_t s = 0; s < n; s += 4) {
                 const uint8_t* kr[4];
+                int kl = kt;  /* how the score loop reads kr: the pool's type, or fp32 rows in kf */
                 for (int j = 0; j < 4; ++j) kr[j] = kb + sl[s + j < n ? s + j : s] * k_rs;
+                if (kt != 0 && G >= CONVERT_ONCE) {
+                    for (int j = 0; j < 4; ++j) {
+                        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf + j * D + d, load_kv(kr[j], d, kt));
+                        kr[j] = (const uint8_t*)(kf + j * D);
+                    }
+                    kl = 0;
+                }
                 for (int64_t j = s + PF_KEYS; j < s + PF_KEYS + 4 && j < n; ++j) {  /* rows are scattered */
                     for (int64_t off = 0; off < k_row; off += 64)
                         _mm_prefetch((const char*)(kb + sl[j] * k_rs + off), _MM_HINT_T0);
@@ -184,39 +199,57 @@ void swa_decode_attn(const float* q, const int64_t* rows, int64_t B, int64_t H, 
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int64_t d = 0; d < D; d += 8) {
                         __m256 qv = _mm256_loadu_ps(qg + d);
-                        a0 = _mm256_fmadd_ps(qv, load_kv(kr[0], d, kt), a0);
-                        a1 = _mm256_fmadd_ps(qv, load_kv(kr[1], d, kt), a1);
-                        a2 = _mm256_fmadd_ps(qv, load_kv(kr[2], d, kt), a2);
-                        a3 = _mm256_fmadd_ps(qv, load_kv(kr[3], d, kt), a3);
+                        a0 = _mm256_fmadd_ps(qv, load_kv(kr[0], d, kl), a0);
+                        a1 = _mm256_fmadd_ps(qv, load_kv(kr[1], d, kl), a1);
+                        a2 = _mm256_fmadd_ps(qv, load_kv(kr[2], d, kl), a2);
+                        a3 = _mm256_fmadd_ps(qv, load_kv(kr[3], d, kl), a3);
                     }
                     float sc[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
                     for (int j = 0; j < 4 && s + j < n; ++j) p[g * n + s + j] = sc[j];
                 }
             }
             for (int64_t g = 0; g < G; ++g) softmax_row(p + g * n, n);
-            for (int64_t g = 0; g < G; ++g) {
-                const float* pg = p + g * n;
-                float* o = ob + g * D;
-                int64_t d0 = 0;
-                for (; d0 + 64 <= D; d0 += 64) {
-                    __m256 acc[8];
-                    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-                    for (int64_t s = 0; s < n; ++s) {
-                        const uint8_t* vr = vb + sl[s] * v_rs;
-                        __m256 pv = _mm256_set1_ps(pg[s]);
-                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pv, load_kv(vr, d0 + 8 * r, vt), acc[r]);
+            /* out = sum_s p[s] V[s], keys in blocks of V_KEYS: each output float is still one fma per key in
+               key order (its partial sum waits in `out` between blocks) */
+            memset(ob, 0, (size_t)G * D * sizeof(float));
+            for (int64_t s0 = 0; s0 < n; s0 += V_KEYS) {
+                const int64_t m = n - s0 < V_KEYS ? n - s0 : V_KEYS;
+                const uint8_t* vr[V_KEYS];
+                int vl = vt;
+                for (int64_t j = 0; j < m; ++j) vr[j] = vb + sl[s0 + j] * v_rs;
+                if (vt != 0 && G >= CONVERT_ONCE) {
+                    for (int64_t j = 0; j < m; ++j) {
+                        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vf + j * D + d, load_kv(vr[j], d, vt));
+                        vr[j] = (const uint8_t*)(vf + j * D);
                     }
-                    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+                    vl = 0;
                 }
-                for (; d0 < D; d0 += 8) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t s = 0; s < n; ++s)
-                        acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[s]), load_kv(vb + sl[s] * v_rs, d0, vt), acc);
-                    _mm256_storeu_ps(o + d0, acc);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* pg = p + g * n + s0;
+                    float* o = ob + g * D;
+                    int64_t d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64) {
+                        __m256 acc[8];
+                        for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + d0 + 8 * r);
+                        for (int64_t j = 0; j < m; ++j) {
+                            __m256 pv = _mm256_set1_ps(pg[j]);
+                            for (int r = 0; r < 8; ++r)
+                                acc[r] = _mm256_fmadd_ps(pv, load_kv(vr[j], d0 + 8 * r, vl), acc[r]);
+                        }
+                        for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+                    }
+                    for (; d0 < D; d0 += 8) {
+                        __m256 acc = _mm256_loadu_ps(o + d0);
+                        for (int64_t j = 0; j < m; ++j)
+                            acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[j]), load_kv(vr[j], d0, vl), acc);
+                        _mm256_storeu_ps(o + d0, acc);
+                    }
                 }
             }
         }
         free(p);
+        free(kf);
+        free(vf);
     }
 }
 

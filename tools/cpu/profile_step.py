@@ -52,6 +52,7 @@ def instrument(layers: int) -> None:
     import swaserve.engine.runner.model_runner as runner
     import swaserve.models.architectures as registry
     import swaserve.models.gemma4 as gemma
+    import swaserve.models.gemma4_ops as layer_ops
 
     arch = registry.ARCHITECTURES["gemma4"]
 
@@ -69,7 +70,8 @@ def instrument(layers: int) -> None:
     # every linear of the model goes through Gemma4Model._linear (the native path calls the kernel there)
     gemma.Gemma4Model._linear = timed(lambda self, x, w: _linear_part(x, w), gemma.Gemma4Model._linear)
     gemma.embedding = timed(lambda *a, **k: "embed", gemma.embedding)
-    gemma.Gemma4Model._route = timed(lambda *a, **k: "router", gemma.Gemma4Model._route)
+    for ops in (layer_ops.TorchOps, layer_ops.NativeOps):  # the router is a layer step of each backend
+        ops.route = timed(lambda *a, **k: "router", ops.route)
     gemma.Gemma4Model.logits = timed(lambda *a, **k: "lm_head", gemma.Gemma4Model.logits)
     runner.sample_isolated = timed(lambda *a, **k: "sampling", runner.sample_isolated)
 

@@ -74,3 +74,30 @@ def test_router_matches_the_torch_route() -> None:
     ids, wts = native_ops.router(x, (scale * h**-0.5).contiguous(), EPS, w, k, pes)
     assert torch.equal(ids, ref_ids)
     _close(wts, ref_w, 1e-5)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "q8_0"])
+def test_decode_attn_grouped_heads_equal_each_head_alone(kv: str) -> None:
+    """8 query heads per KV head (K / V rows converted to fp32 once for the group) give the same bits as
+    each query head attending alone (one head per KV head: rows read straight from the pool)."""
+    from swaserve.engine.quant.kv_quant import quantize_q8_0
+
+    g = torch.Generator().manual_seed(3)
+    slots_total, kvh, group, d, b = 64, 2, 8, 64, 3
+    k = torch.randn(slots_total, kvh, d, generator=g)
+    v = torch.randn(slots_total, kvh, d, generator=g)
+    if kv == "q8_0":
+        k, v = quantize_q8_0(k), quantize_q8_0(v)  # uint8 [S, KVH, D / 32 * 34]
+    elif kv != "fp32":
+        k, v = k.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[kv])), v.to(k.dtype)
+    q = torch.randn(b, kvh * group, d, generator=g)
+    counts = torch.tensor([37, 5, 50])  # more keys than the score tile (4) and the value block (16)
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:50] for _ in range(b)]).contiguous()
+    rows = torch.arange(b)
+    out = torch.empty_like(q)
+    native_ops.decode_attn(q, rows, k, v, slots, counts, out)
+    for j in range(group):  # query heads j, group + j, ...: head j of each KV head
+        heads = torch.arange(kvh) * group + j
+        alone = torch.empty(b, kvh, d)
+        native_ops.decode_attn(q[:, heads].contiguous(), rows, k, v, slots, counts, alone)
+        assert torch.equal(out[:, heads], alone), j
