@@ -25,6 +25,7 @@ from swaserve.engine.moe.base import MoEBackend
 from swaserve.engine.quant import native, native_ops
 from swaserve.engine.quant.base import QWeight
 from swaserve.engine.quant.linear import embedding, linear, prepare_native
+from swaserve.models.gemma4_decode import DecodePath
 from swaserve.models.gemma4_fused import FusedOps
 from swaserve.models.gemma4_ops import LayerOps, NativeOps, Rope, TorchOps, native_glue_fits
 from swaserve.models.weights import Gemma4Weights, LayerWeights
@@ -106,6 +107,7 @@ class Gemma4Model:
                 and native_ops.available() and native_glue_fits(self.layers))
         self._ops: LayerOps = NativeOps(self) if glue else TorchOps(self)
         self._fused = FusedOps(self)  # the device path's, for steps that run the device kernels
+        self._decode = DecodePath(self)  # decode-only steps on the native glue (models/gemma4_decode.py)
         self.ropes = {
             "sliding": _Rope(cfg.rope_theta_swa, cfg.rope_dims_swa, cfg.rope_dims_swa // 2,
                              cfg.rope_dims_swa // 2, self.device),
@@ -130,6 +132,8 @@ class Gemma4Model:
         if images is not None:
             h[images[0].to(self.device)] = images[1].to(self.device, h.dtype)  # [M, H]
         rope = {kind: r.lookup(positions) for kind, r in self.ropes.items()}
+        if images is None and ops is self._ops and self._decode.takes(meta, pool):
+            return ops.final_norm(self._decode.forward(h, meta, pool, rope), None)  # the flat decode loop
         x = ops.first_input(h)  # [T, H] layer 0's input norm, or None: each layer norms its own
         for i, lw in enumerate(self.layers):
             kind = "sliding" if self._is_sliding[i] else "full"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from swaserve.engine.attention.base import AttentionMetadata
-from swaserve.engine.attention.torch_backend import TorchAttentionBackend, _key_start, _Plan
+from swaserve.engine.attention.torch_backend import Plan, TorchAttentionBackend, _key_start
 from swaserve.engine.quant import native_ops
 from swaserve.engine.quant.kv_quant import head_dim
 
@@ -55,7 +55,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if not native_ops.available():
             raise ValueError("--attention-backend native needs the native CPU kernels (see the log line)")
 
-    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan,
+    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: Plan,
                 out: torch.Tensor) -> None:
         D = q.shape[-1]
         if not (native_ops.fits(q, out) and native_ops.kv_view_ok(K, D) and native_ops.kv_view_ok(V, D)):
@@ -65,7 +65,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
         native_ops.decode_attn(q, rows, K, V, slots, counts, out)
 
     def _prefill(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: AttentionMetadata,
-                 sliding: bool, plan: _Plan, out: torch.Tensor) -> None:
+                 sliding: bool, plan: Plan, out: torch.Tensor) -> None:
         D = q.shape[-1]
         if not (self.row_prefill and native_ops.fits(q, out) and native_ops.kv_view_ok(K, D)
                 and native_ops.kv_view_ok(V, D)):

@@ -56,7 +56,7 @@ class _Prefill:
 
 
 @dataclass
-class _Plan:
+class Plan:
     decode_rows: torch.Tensor | None  # [Bd] int64 rows of the q_len-1 sequences
     decode_slots: torch.Tensor | None  # [Bd, S] int64
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] bool
@@ -70,7 +70,7 @@ def _key_start(pos: int, window: int, sliding: bool) -> int:
 
 
 def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tensor, sliding: bool,
-                  plan: _Plan, device: torch.device) -> None:
+                  plan: Plan, device: torch.device) -> None:
     page_size, window = meta.page_size, meta.window
     cu = meta.cu_q_lens
     prefix = torch.tensor([meta.prefix_lens[b] for b in decodes], dtype=torch.int64)  # [Bd]
@@ -134,11 +134,11 @@ def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_
     return pf
 
 
-def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _Plan:
+def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> Plan:
     """Gather plan of one pool kind: which pool slots (and mask) each query row attends to."""
     table = meta.swa_page_table if sliding else meta.full_page_table  # [B, max_pages]
     table = table.to(device)
-    plan = _Plan(None, None, None, None, [])
+    plan = Plan(None, None, None, None, [])
     decodes = [b for b, q in enumerate(meta.q_lens) if q == 1]
     if decodes:
         _plan_decodes(meta, decodes, table, sliding, plan, device)
@@ -152,7 +152,7 @@ def build_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> 
     return plan
 
 
-def _get_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> _Plan:
+def get_plan(meta: AttentionMetadata, sliding: bool, device: torch.device) -> Plan:
     key = ("torch", sliding, str(device))
     plan = meta.backend_plans.get(key)
     if plan is None:
@@ -175,7 +175,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._scratch[key] = buf
         return buf[:numel].view(shape)
 
-    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: _Plan,
+    def _decode(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, plan: Plan,
                 out: torch.Tensor) -> None:
         """The q_len-1 rows: padded into one batched SDPA call over their gathered keys."""
         T, H, D = q.shape
@@ -219,7 +219,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, H, D]
         sliding, K, V = write_kv(layer, k, v, meta, pool)  # [slots, KVH, R]
         out = torch.empty_like(q)  # [T, H, D]
-        plan = _get_plan(meta, sliding, q.device)
+        plan = get_plan(meta, sliding, q.device)
         if plan.decode_rows is not None:
             self._decode(q, K, V, plan, out)
         if plan.prefills:
@@ -227,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _prefill(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, meta: AttentionMetadata,
-                 sliding: bool, plan: _Plan, out: torch.Tensor) -> None:
+                 sliding: bool, plan: Plan, out: torch.Tensor) -> None:
         """The q_len > 1 rows: per sequence its visible keys gathered once, one SDPA call per block."""
         G = q.shape[1] // K.shape[1]
         for pf in plan.prefills:

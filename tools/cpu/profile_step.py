@@ -111,6 +111,8 @@ def main() -> None:
     eng = llm.engine
     model = eng.runner.model
     model.attn.forward = timed(lambda *a, **k: "attention", model.attn.forward)
+    if hasattr(model, "_decode"):  # the flat decode loop (models/gemma4_decode.py; older trees lack it)
+        model._decode.attend = timed(lambda *a, **k: "attention", model._decode.attend)
     model.moe.forward = timed(lambda *a, **k: "experts", model.moe.forward)
     rng = random.Random(0)
     count = [0]
