@@ -6,7 +6,12 @@ SWA pool (evict_swa), in this order, never touching a locked page:
   2. the anchors' divergence slack, 3. redundant anchors' windows, 4. the other windows, in the
      order retention.py gives: the anchor's slack is given up (or the anchor dropped), and of the
      pages no other anchor protects, front pages first, as many as needed are freed (the rest stay
-     as unprotected cache).
+     as unprotected cache);
+  5. the windows whose live pages are mostly locked by running requests (a request that matched there
+     is using them), in the same order. Under concurrency the window a running request just reused is
+     the furthest from its next use, so 4 would drop its anchor first, free nothing locked, and leave
+     the whole window unprotected (tier 1) the moment the request finishes. A window whose live pages
+     are all locked is never given up: it would free nothing.
 Full pool (evict_full), never touching a locked node:
   1. dead full KV: pages that no surviving window can reach (no live reuse point at or below
      them), cut from the tails of unlocked leaves, LRU;
@@ -96,8 +101,9 @@ class Evictor:
                 slack = retention.drop_slack(nd, hi)
                 if slack is not None:
                     self._free_unprotected(nd, *slack, freed, num_pages)  # slack: written
-            # 3: windows a deeper anchor on the same unbranched path makes redundant, 4: the others
-            for nd, hi in redundant + others:
+            # 3: windows a deeper anchor on the same unbranched path makes redundant, 4: the others;
+            # then (5) the windows running requests hold mostly locked (module docstring)
+            for nd, hi in self._windows_in_order(redundant + others):
                 if len(freed) >= num_pages:
                     break
                 an = retention.forget(nd, hi)
@@ -106,6 +112,28 @@ class Evictor:
         tree.evicted_swa_pages += len(freed)
         tree.swa_alloc.free(freed)
         return len(freed)
+
+    @staticmethod
+    def _windows_in_order(anchors: list[tuple[Node, int]]) -> list[tuple[Node, int]]:
+        """The anchors whose windows eviction may give up, in that order: those whose live pages are
+        mostly unlocked keep their order, then those a running request holds mostly locked; a window
+        whose live pages are all locked is left alone (dropping it would free nothing now and leave its
+        pages unprotected once the request finishes). Locks do not change during an eviction."""
+        first: list[tuple[Node, int]] = []
+        last: list[tuple[Node, int]] = []
+        for nd, hi in anchors:
+            live = locked = 0
+            for x, a, b in path_ranges(nd, nd.anchors[hi].lo, hi):
+                swa, locks = x.swa_pages, x.swa_locks
+                for i in range(a, b):
+                    if swa[i] is not None:
+                        live += 1
+                        locked += locks[i] > 0
+            if not live or 2 * locked <= live:
+                first.append((nd, hi))
+            elif locked < live:
+                last.append((nd, hi))
+        return first + last
 
     def _free_unprotected(self, node: Node, lo: int, hi: int, freed: list[int], need: int) -> None:
         """Drop live, unlocked, unprotected SWA pages of [lo, hi) on node's root path into freed, front

@@ -173,6 +173,7 @@ class CheckedCache:
         c = self.c
         before = dump(c)
         anchors_before = {k: list(v) for k, v in self.am.anchors.items()}
+        locked = self.locked_swa()
         used0, full_used0 = c.swa_alloc.num_used, c.full_alloc.num_used
         evictable = c.evictable_swa()
         got = c.evict_swa(n, unprotected_only=unprotected_only)
@@ -192,7 +193,8 @@ class CheckedCache:
             assert not [k for k, v in after.items() if v[1] is not None and v[2] == 0 and before[k][3] == 0]
         for k in gone:
             self.state[k][1] = None
-        self.am.check_evict_swa(anchors_before, dump_anchors(c))
+        live = {k for k, v in before.items() if v[1] is not None}
+        self.am.check_evict_swa(anchors_before, dump_anchors(c), live, locked)
         self.sync_check()
         return got
 

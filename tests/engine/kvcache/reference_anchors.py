@@ -187,12 +187,29 @@ class AnchorModel:
         an = self.anchors.pop(key)
         self.ghosts[key] = (an[3], an[4], an[2])
 
-    def check_evict_swa(self, before: dict[Key, list[Any]], after: dict[Key, tuple[Any, ...]]) -> None:
+    def lock_class(self, key: Key, lo: int, live: set[Key], locked: set[Key]) -> int:
+        """0: the anchor's window pages [lo, hi) are mostly unlocked (or none is live); 1: mostly locked by
+        running requests (given up after every class-0 window); 2: every live one locked (never given
+        up: it would free nothing)."""
+        P = self.P
+        pages = [key[:(j + 1) * P] for j in range(lo, len(key) // P)]
+        n_live = sum(k in live for k in pages)
+        n_locked = sum(k in live and k in locked for k in pages)
+        if not n_live or 2 * n_locked <= n_live:
+            return 0
+        return 1 if n_locked < n_live else 2
+
+    def check_evict_swa(self, before: dict[Key, list[Any]], after: dict[Key, tuple[Any, ...]],
+                        live: set[Key], locked: set[Key]) -> None:
         """The anchors evict_swa touched come first in the retention order: the slack of every anchor
-        before any window, redundant windows before the others."""
+        before any window, redundant windows before the others, windows running requests hold mostly
+        locked last, and those they hold all locked never (live, locked: the SWA pages before the eviction;
+        a window is given up only once every slack is, so its range is then [core_lo, hi))."""
+        cls = {k: self.lock_class(k, before[k][1], live, locked) for k in before}
         rank = {k: self.rank(k) for k in before}
         dropped = [k for k in before if k not in after]
-        kept = [k for k in before if k in after]
+        assert not [k for k in dropped if cls[k] == 2], "gave up a window whose live pages are all locked"
+        kept = [k for k in before if k in after and cls[k] < 2]
         had_slack = [k for k in before if before[k][0] < before[k][1]]
         slack_gone = [k for k in had_slack if k in dropped or after[k][0] == after[k][1]]
         slack_kept = [k for k in had_slack if k not in slack_gone]
@@ -201,7 +218,8 @@ class AnchorModel:
         if dropped:
             assert not slack_kept, "a window went while an anchor kept its slack"
             if kept:
-                assert max(rank[k] for k in dropped) <= min(rank[k] for k in kept), "windows out of order"
+                order = {k: (cls[k], rank[k]) for k in dropped + kept}
+                assert max(order[k] for k in dropped) <= min(order[k] for k in kept), "windows out of order"
         assert all(after[k][0] in (before[k][0], before[k][1]) for k in kept), "protection moved oddly"
         for k in dropped:
             self.drop(k)
