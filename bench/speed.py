@@ -23,6 +23,7 @@ The dimensions of one command, all in one table at the end (rows threads x strea
   --peer-flash-attn on,off  one llama.cpp process (column) per value
   --gap-context C        a short stream decodes, then a C-token prompt arrives: the short stream's
                          inter-token gaps while the long one prefills (its own table)
+In that table the ratios are swaserve / the best llama.cpp column of the row (highest tok/s).
 """
 
 from __future__ import annotations

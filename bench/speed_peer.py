@@ -159,7 +159,9 @@ def gap_stats(a_times: list[float], b_added: float, b_first: float) -> dict:
 def measure(engine, args: argparse.Namespace) -> dict:
     """The protocol shared with bench/speed_worker.py. Each engine's run(prompts, gen) returns the wall
     seconds since start after each step once every stream has its first token, and leaves the process
-    CPU seconds at the same points in engine.cpu_times (the `*_cpu` values: robust on a busy machine)."""
+    CPU seconds at the same points in engine.cpu_times (the `*_cpu` values: robust on a busy machine).
+    Then one 1-stream run per --contexts value (`*_at_C`), and with --gap-context the engine's
+    gap(short prompt, long prompt) run (gap_stats)."""
     res: dict = {"load_s": engine.load_s}
     vocab = engine.vocab
     times = engine.run([prompt_ids(1, args.prompt_len, vocab)], args.gen)
