@@ -308,6 +308,12 @@ def _gate_up(tensors: dict[str, Any], i: int, cfg: ModelConfig, path: str) -> QW
     return QWeight("F32", (e, 2 * ie, h), torch.cat([dequantize(g), dequantize(u)], dim=1), name)
 
 
+def read_config(path: str) -> ModelConfig:
+    """The ModelConfig of a Gemma 4 GGUF from its metadata and tensor index (no tensor data is read)."""
+    file = open_gguf(path)
+    return _config(file.metadata, file.tensors, file.path)
+
+
 def load_gguf(path: str, progress: bool = True) -> LoadedModel:
     """Load a Gemma 4 GGUF memory-mapped: config, weights (stored forms), metadata."""
     return load_gemma4(open_gguf(path), progress)
@@ -377,4 +383,5 @@ def load_gemma4(file: GGUFFile, progress: bool = True) -> LoadedModel:
     return LoadedModel(cfg, weights, meta, path, os.path.getsize(path))
 
 
-__all__ = ["GGUFError", "GGUFFile", "LoadedModel", "load_gemma4", "load_gguf", "open_gguf", "read_metadata"]
+__all__ = ["GGUFError", "GGUFFile", "LoadedModel", "load_gemma4", "load_gguf", "open_gguf", "read_config",
+           "read_metadata"]
