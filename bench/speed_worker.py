@@ -23,6 +23,12 @@ def longest_run(args: argparse.Namespace) -> int:
     return max(runs, default=0)
 
 
+def longest_request(args: argparse.Namespace) -> int:
+    """Tokens of the longest single request of the long runs (the gap run's two requests apart: each must
+    fit the engine's per-request context, their sum the KV pools)."""
+    return max([c + args.context_gen for c in ints(args.contexts)] + [args.gap_context + 1])
+
+
 def kv_gb_for(args: argparse.Namespace, n_seq: int, chunk: int) -> float:
     """--kv-gb, or more when the long runs need it: the longest run's full-attention tokens, and every
     stream's sliding window with two prefill chunks of SWA tokens (a quarter on top for page padding)."""
@@ -60,9 +66,9 @@ class Swa:
                        cpu_threads_follow_load=args.follow_load)
         self.load_s = time.perf_counter() - t0
         self.engine = self.llm.engine
-        if self.engine.context_length < longest_run(args):
-            raise SystemExit(f"the KV arena holds {self.engine.context_length} tokens, the long runs need "
-                             f"{longest_run(args)}: raise --kv-gb")
+        if self.engine.context_length < longest_request(args):
+            raise SystemExit(f"the engine serves {self.engine.context_length} tokens a request, the long runs"
+                             f" need {longest_request(args)}: raise --kv-gb")
         self.vocab = self.engine.model_config.vocab_size
         self._count = 0
 

@@ -85,6 +85,16 @@ def test_contexts_clamped_to_the_context_length(capsys) -> None:
     assert model_context_length(demo_model_path()) == 32768
 
 
+def test_the_gap_run_needs_each_request_to_fit_not_their_sum() -> None:
+    from swaserve.bench.speed_worker import longest_request, longest_run
+
+    args = speed_peer.parse(["--gguf", "f", "--threads", "1", "--prompt-len", "128", "--gen", "4",
+                             "--stream-prompt-len", "8", "--stream-gen", "2", "--contexts", "4096",
+                             "--gap-context", "32767"])
+    assert longest_request(args) == 32768  # fits a 32768-token model: the long prompt and one token
+    assert longest_run(args) > 32768  # the KV pools hold both requests of the gap run
+
+
 def _grid_args(**kw: str) -> argparse.Namespace:
     return _args("--gguf", "f", "--prompt-len", "12", "--streams", "8", "--stream-prompt-len", "6",
                  "--contexts", "4096", *[x for k, v in kw.items() for x in (f"--{k}", v)])
