@@ -22,6 +22,7 @@ from swaserve.engine.attention.native_backend import NativeAttentionBackend
 from swaserve.engine.attention.torch_backend import Plan, get_plan
 from swaserve.engine.quant import native_ops
 from swaserve.models.gemma4_ops import Branches, LayerOps, ModelParts, NativeOps
+from swaserve.models.gemma4_step import NativeStep
 
 
 class LoopModel(ModelParts, Protocol):
@@ -42,6 +43,8 @@ class DecodePath:
         self.eps = cfg.rms_norm_eps
         self.layers = [(s, cfg.head_dim_swa if s else cfg.head_dim_full,
                         cfg.num_kv_heads_swa if s else cfg.num_kv_heads_full) for s in model._is_sliding]
+        self._views: tuple[KVPool | None, bool] = (None, False)  # (pool, its views suit decode_attn)
+        self.native = NativeStep(model)  # the same loop in one native call, where the weights allow
 
     def takes(self, meta: AttentionMetadata, pool: KVPool) -> bool:
         """Whether this step is one the loop serves: the model on the native glue, its own linear and
@@ -53,11 +56,11 @@ class DecodePath:
             return False  # another linear (a test's, a tool's) may return what the native glue cannot take
         if any(n != 1 for n in meta.q_lens) or meta.key_ends is not None:
             return False
-        for i, (_, d, _) in enumerate(self.layers):
-            k, v = pool.kv(i)
-            if not (native_ops.kv_view_ok(k, d) and native_ops.kv_view_ok(v, d)):
-                return False
-        return True
+        if self._views[0] is not pool:  # a pool's views never change: checked once per pool
+            self._views = (pool, all(native_ops.kv_view_ok(k, d) and native_ops.kv_view_ok(v, d)
+                                     for (k, v), (_, d, _) in zip(map(pool.kv, range(len(self.layers))),
+                                                                  self.layers, strict=True)))
+        return self._views[1]
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
                 rope: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -68,6 +71,8 @@ class DecodePath:
         linear = model._linear
         T, nh = h.shape[0], cfg.num_heads
         plans = {s: get_plan(meta, s, h.device) for s in (True, False)}
+        if self.native.takes():
+            return self.native.forward(h, meta, pool, rope, plans)
         for i, lw in enumerate(model.layers):
             sliding, d, kvh = self.layers[i]
             kind = "sliding" if sliding else "full"
@@ -82,8 +87,9 @@ class DecodePath:
             a = self.attend(i, q, k, v, meta, pool, plans[sliding])
             native_ops.rms_norm_add_(h, linear(a.view(T, nh * d), lw.o_proj), lw.post_attention_norm, eps)
             xm = native_ops.rms_norm(h, lw.ffn_norm, eps)
-            gate = F.gelu(linear(xm, lw.gate_proj), approximate="tanh")
-            m1 = linear(gate * linear(xm, lw.up_proj), lw.down_proj)
+            gate, up = linear(xm, lw.gate_proj), linear(xm, lw.up_proj)
+            m1 = linear(native_ops.gelu_mul(gate, up) if native_ops.fits(gate, up)
+                        else F.gelu(gate, approximate="tanh") * up, lw.down_proj)
             topk_ids, topk_w = ops.route(i, lw, Branches(h))
             m2 = model.moe.forward(i, native_ops.rms_norm(h, lw.pre_ffw_norm_2, eps), topk_ids, topk_w)
             if not native_ops.fits(m1, m2):

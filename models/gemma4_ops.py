@@ -218,6 +218,10 @@ class NativeOps(TorchOps):
     def input_norm(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return native_ops.rms_norm(h, lw.attn_norm, self.eps)
 
+    def final_norm(self, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        w = self.model.final_norm
+        return native_ops.rms_norm(h, w, self.eps) if native_ops.fits(h, w) else super().final_norm(h, x)
+
     def attend(self, i: int, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
                half: int, sliding: bool, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
         cos, sin = rope
@@ -236,6 +240,12 @@ class NativeOps(TorchOps):
 
     def mlp(self, lw: LayerWeights, b: Branches) -> torch.Tensor:
         return self._dense(lw, native_ops.rms_norm(b.h, lw.ffn_norm, self.eps))  # the tail norms it
+
+    def _dense(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear(x, lw.gate_proj), self.linear(x, lw.up_proj)  # [T, I] each
+        act = (native_ops.gelu_mul(gate, up) if native_ops.fits(gate, up)  # the experts' gelu: same bits
+               else F.gelu(gate, approximate="tanh") * up)
+        return self.linear(act, lw.down_proj)  # [T, H]
 
     def route(self, i: int, lw: LayerWeights, b: Branches) -> tuple[torch.Tensor, torch.Tensor]:
         # norm, both scales, linear, softmax, top-k, renorm: one call

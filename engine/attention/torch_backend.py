@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -71,21 +72,23 @@ def _key_start(pos: int, window: int, sliding: bool) -> int:
 
 def _plan_decodes(meta: AttentionMetadata, decodes: list[int], table: torch.Tensor, sliding: bool,
                   plan: Plan, device: torch.device) -> None:
+    """The decode rows' slots, mask and key counts. Built in numpy on the host (~1 us an op against
+    torch's ~5-10: this runs every decode step, ~0.3 ms of a 5 ms batch-1 `small` step in torch ops)."""
     page_size, window = meta.page_size, meta.window
     cu = meta.cu_q_lens
-    prefix = torch.tensor([meta.prefix_lens[b] for b in decodes], dtype=torch.int64)  # [Bd]
+    prefix = np.array([meta.prefix_lens[b] for b in decodes], dtype=np.int64)  # [Bd]
     lens = prefix + 1
-    starts = (prefix - window + 1).clamp_(min=0) if sliding else torch.zeros_like(prefix)  # [Bd]
-    s_max = int((lens - starts).max())
-    kpos = starts[:, None] + torch.arange(s_max)[None, :]  # [Bd, S]
+    starts = np.maximum(prefix - window + 1, 0) if sliding else np.zeros_like(prefix)  # [Bd]
+    counts = lens - starts
+    kpos = starts[:, None] + np.arange(int(counts.max()), dtype=np.int64)[None, :]  # [Bd, S]
     valid = kpos < lens[:, None]  # [Bd, S]
-    kpos = torch.where(valid, kpos, starts[:, None]).to(device)  # [Bd, S] padded -> a real key
-    rows = torch.tensor(decodes, dtype=torch.int64, device=device)
-    pages = table[rows].gather(1, kpos // page_size)  # [Bd, S]
+    kpos = np.where(valid, kpos, starts[:, None])  # padded -> a real key
+    rows = table.cpu().numpy()[decodes]  # [Bd, max_pages]
+    pages = np.take_along_axis(rows, kpos // page_size, axis=1).astype(np.int64, copy=False)  # [Bd, S]
     plan.decode_rows = torch.tensor([cu[b] for b in decodes], dtype=torch.int64, device=device)
-    plan.decode_slots = pages * page_size + kpos % page_size  # [Bd, S]
-    plan.decode_mask = valid.to(device)[:, None, None, :]  # [Bd, 1, 1, S]
-    plan.decode_counts = (lens - starts).to(device)  # [Bd]
+    plan.decode_slots = torch.from_numpy(pages * page_size + kpos % page_size).to(device)  # [Bd, S]
+    plan.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]  # [Bd, 1, 1, S]
+    plan.decode_counts = torch.from_numpy(counts).to(device)  # [Bd]
 
 
 def _plan_prefill(first_row: int, prefix: int, num_rows: int, window: int, page_size: int,

@@ -29,9 +29,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("native_q4.c"), Path(__file__).with_name("native_ops.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("native_q4.c", "native_ops.c", "native_step.c")]
 # included by SOURCES: part of the cache key
-HEADERS = [Path(__file__).with_name("native_avx.h"), Path(__file__).with_name("native_moe.h")]
+HEADERS = [Path(__file__).with_name(f) for f in ("native_avx.h", "native_moe.h", "native_q4.h")]
 ABI = 5  # swa_q4_abi() of the source this wrapper was written for
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 ROWS = 8  # weight rows per interleaved group
@@ -62,6 +62,9 @@ _SIGNATURES = {
                          _P, _P, ctypes.c_int], None),
     "swa_kv_gather": ([_P, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "swa_kv_store_q8": ([_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int], None),
+    "swa_gelu_mul": ([_P, _P, _P, _I, _I], None),
+    "swa_decode_step": ([_P, _I, _P], None),
+    "swa_step_sizes": ([], ctypes.c_int64),
 }
 
 

@@ -74,6 +74,16 @@ def ffn_tail_(h: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, w1: torch.Ten
     return h
 
 
+def gelu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(g) * u for g, u [T, I] (the routed experts' activation, exp form: last-bit differences
+    from torch's gelu), a new tensor."""
+    t, i = g.shape
+    assert u.shape == g.shape
+    out = torch.empty_like(g)
+    native.load().swa_gelu_mul(g.data_ptr(), u.data_ptr(), out.data_ptr(), t, i)
+    return out
+
+
 def router(x: torch.Tensor, rw: torch.Tensor, eps: float, w: torch.Tensor, k: int,
            per_expert_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gemma 4's router for x [T, H]: softmax(W @ (rms_norm(x) * rw)) over the E experts of w [E, H],

@@ -26,10 +26,9 @@ padded with zero rows. Every function releases nothing itself: ctypes drops the 
 
 #include "native_avx.h"
 #include "native_moe.h"
+#include "native_q4.h"
 
-#define QK 32
 #define BQ4 18
-#define ROWS 8
 #define NIB 128      /* nibble bytes of one block of a group: 8 rows x 16 */
 #define SCB 16       /* scale bytes of one block of a group: 8 fp16 */
 #define GBYTES 144   /* NIB + SCB = 8 x 18: the same bytes as the 8 GGUF row-blocks */
@@ -95,13 +94,6 @@ static void quant_row_q8(const float* x, int64_t K, int8_t* q, float* d, int32_t
     }
 }
 
-/* Activation rows by pointer (MoE groups rows without copying): codes, scales, 8 x code sums, output. */
-typedef struct {
-    const int8_t* const* xq;
-    const float* const* xd;
-    const int32_t* const* xs;
-    float* const* y;
-} Rows;
 
 /* The 8 rows of one group (outputs n0 .. n0 + valid) for MT activation rows m0 .. m0 + MT: per block,
    8 lanes = 8 rows' exact sum(c * q) (c the 4-bit codes), minus 8 sum(q), then one fma per output.
@@ -316,7 +308,6 @@ void swa_q8_quant(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int
     for (int64_t m = 0; m < M; ++m) quant_row_q8(x + m * K, K, q + m * K, d + m * (K / QK), NULL);
 }
 
-#define GROUP_CHUNK 4  /* groups per work item: 32 weight rows stay in L1/L2 while M rows pass over them */
 
 /* y [M, N] = x [M, K] @ W^T, W interleaved [N, K] */
 void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y, int nthreads) {
@@ -346,17 +337,23 @@ void swa_q4_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N
     free(xq); free(xd); free(xs); free(xqs); free(xds); free(xss); free(ys);
 }
 
-/* h[i] = gelu_tanh(h[i]) * h[I + i], i < I (I a multiple of 8); gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
-   g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3) */
-static void gelu_mul(float* h, int64_t I) {
+/* out[i] = gelu_tanh(g[i]) * u[i], i < I (I a multiple of 8; out may be g); gelu_tanh(g) = 0.5 g (1 +
+   tanh(v)) = g / (1 + exp(-2v)), v = sqrt(2 / pi) (g + 0.044715 g^3). The routed experts', the dense MLP's
+   on the native path (swa_gelu_mul) and native_step.c's: the same bits everywhere. */
+static void gelu_mul(const float* g, const float* u, float* out, int64_t I) {
     const __m256 c1 = _mm256_set1_ps(-2.f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
     const __m256 one = _mm256_set1_ps(1.f);
     for (int64_t i = 0; i < I; i += 8) {
-        __m256 g = _mm256_loadu_ps(h + i);
-        __m256 u = _mm256_mul_ps(c1, _mm256_fmadd_ps(_mm256_mul_ps(c3, g), _mm256_mul_ps(g, g), g));
-        __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(u)));
-        _mm256_storeu_ps(h + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(h + I + i)));
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 v = _mm256_mul_ps(c1, _mm256_fmadd_ps(_mm256_mul_ps(c3, x), _mm256_mul_ps(x, x), x));
+        __m256 gelu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(v)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
     }
+}
+
+/* out [T, I] = gelu_tanh(g) * u for g, u [T, I] (the dense MLP's activation on the native path) */
+void swa_gelu_mul(const float* g, const float* u, float* out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; ++t) gelu_mul(g + t * I, u + t * I, out + t * I, I);
 }
 
 /* Routed-MoE layer, all tokens grouped by expert in one call:
@@ -395,11 +392,17 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
     const int64_t G1 = groups_of(I2), G2 = groups_of(H);
     const int64_t c1 = GROUP_CHUNK, c2 = GROUP_CHUNK;
     const int64_t n1 = (G1 + c1 - 1) / c1, n2 = (G2 + c2 - 1) / c2;
+    /* every active expert with the same rows (a decode step of one token: one row each): contiguous
+       shares of the items stream each weight without a break; otherwise items are taken one by one */
+    int balanced = 1;
+    for (int64_t j = 1; j < nact; ++j)
+        balanced &= start[active[j] + 1] - start[active[j]] == start[active[0] + 1] - start[active[0]];
+    omp_set_schedule(balanced ? omp_sched_static : omp_sched_dynamic, balanced ? 0 : 1);
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) quant_row_q8(x + t * H, H, xq + t * H, xd + t * nbH, xs + t * nbH);
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(runtime)
         for (int64_t it = 0; it < nact * n1; ++it) {
             int64_t e = active[it / n1], c = it % n1, s0 = start[e];
             Rows rows = {xqs + s0, xds + s0, xss + s0, hps + s0};
@@ -409,10 +412,10 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
         #pragma omp for schedule(static)
         for (int64_t s = 0; s < A; ++s) {
             float* h = hps[s];
-            gelu_mul(h, I);  /* in place: [0, I) */
+            gelu_mul(h, h + I, h, I);  /* in place: [0, I) */
             quant_row_q8(h, I, hq + s * I, hd + s * nbI, hs + s * nbI);
         }
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(runtime)
         for (int64_t it = 0; it < nact * n2; ++it) {
             int64_t e = active[it / n2], c = it % n2, s0 = start[e];
             Rows rows = {hqs + s0, hds + s0, hss + s0, yps + s0};
@@ -425,3 +428,11 @@ void swa_q4_moe(const float* x, int64_t T, int64_t H, const uint8_t* gate_up, co
     free(hq); free(hd); free(ybuf); free(xqs); free(xds); free(hqs); free(hds); free(hps); free(yps);
     free(xs); free(hs); free(xss); free(hss);
 }
+
+/* native_q4.h's entry points for native_step.c (the same code, not inlined there) */
+void swa_i_quant_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) { quant_row_q8(x, K, q, d, s); }
+void swa_i_gemm_groups(const uint8_t* W, int64_t nb, int64_t N, int64_t g0, int64_t g1, int64_t M,
+                       const Rows* rows) {
+    gemm_groups(W, nb, N, g0, g1, M, rows);
+}
+void swa_i_gelu_mul(const float* g, const float* u, float* out, int64_t I) { gelu_mul(g, u, out, I); }

@@ -1,5 +1,6 @@
-"""models/gemma4_decode.py: the flat decode loop gives the general layer body's bits (hidden rows of
-every decode step compared bit for bit, the same KV slots written twice), over the pool types it takes."""
+"""models/gemma4_decode.py: the flat decode loop, and the same loop in one native call
+(models/gemma4_step.py), give the general layer body's bits (hidden rows of every decode step compared
+bit for bit, the same KV slots written twice), over the pool types they take."""
 
 from __future__ import annotations
 
@@ -7,17 +8,23 @@ import pytest
 import torch
 
 from swaserve.engine.core import SamplingParams
-from swaserve.engine.quant import native
+from swaserve.engine.quant import native, native_step
 from swaserve.llm import LLM
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp16", "fp32"])  # auto: q8_0 on CPU
-def test_decode_loop_equals_the_layer_body(kv: str) -> None:
+@pytest.mark.parametrize("loop", ["flat", "native"])
+@pytest.mark.parametrize("kv", ["auto", "fp16", "bf16", "fp32"])  # auto: q8_0 on CPU
+def test_decode_loop_equals_the_layer_body(kv: str, loop: str) -> None:
     llm = LLM(None, cpu_matmul="native", device="cpu", cpu_threads=1, kv_cache_dtype=kv)
     model = llm.engine.runner.model
     path, forward, takes = model._decode, model.forward, model._decode.takes
+    assert path.native.ok  # the demo's weights: Q4_0 linears and experts
+    path.native.enabled = loop == "native"
+    native_calls = []
+    native_run = native_step.run
+    native_step.run = lambda *a: (native_calls.append(1), native_run(*a))[1]  # type: ignore[assignment]
     seen = {"flat": 0, "general": 0}
 
     def both(ids: torch.Tensor, meta, pool):  # type: ignore[no-untyped-def]
@@ -38,7 +45,21 @@ def test_decode_loop_equals_the_layer_body(kv: str) -> None:
         llm.engine.add_request(f"r{i}", [2] + [300 + (7 * j + i) % 900 for j in range(n - 1)], params)
     while llm.engine.has_unfinished():
         llm.engine.step()
+    native_step.run = native_run
     assert seen["flat"] >= 4 and seen["general"] >= 1, seen  # batched decodes took the loop, prefills not
+    assert len(native_calls) == (seen["flat"] if loop == "native" else 0), (len(native_calls), seen)
+
+
+def test_the_native_step_needs_q4_0_experts_in_host_memory() -> None:
+    llm = LLM(None, cpu_matmul="native", device="cpu", cpu_threads=1, moe_backend="torch")
+    path = llm.engine.runner.model._decode
+    assert not path.native.ok  # torch MoE: the flat loop runs
+    calls = []
+    path.native.forward = lambda *a: calls.append(a)  # type: ignore[method-assign]
+    llm.engine.add_request("r", [2, 300, 301, 302], SamplingParams(max_tokens=4, temperature=0.0))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert not calls
 
 
 def test_the_loop_is_off_without_the_native_glue() -> None:
