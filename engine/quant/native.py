@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("native_q4.c", "native_ops.c", "native_step.c")]
+SOURCES = [Path(__file__).with_name(f)
+           for f in ("native_q4.c", "native_q4_moe.c", "native_ops.c", "native_step.c")]
 # included by SOURCES: part of the cache key
 HEADERS = [Path(__file__).with_name(f) for f in ("native_avx.h", "native_moe.h", "native_q4.h")]
 ABI = 5  # swa_q4_abi() of the source this wrapper was written for
