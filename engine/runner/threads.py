@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 INTERVAL_S = 0.5
+FIRST_INTERVAL_S = 0.1  # the first reading comes sooner: a short request beside a busy neighbour adapts too
 ROUND_UP = 0.3  # a core 70% free counts as free: a neighbour that sleeps now and then leaves room
 
 
@@ -50,7 +51,8 @@ class ThreadGovernor:
     """Sets `set_threads(n)` to the free cores (1 <= n <= max_threads) at most every `interval` s."""
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], cpus: int | None = None,
-                 interval: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 interval: float = INTERVAL_S, first_interval: float | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  read_machine: Callable[[], tuple[int, int]] = machine_jiffies,
                  read_own: Callable[[], int] = own_jiffies):
         assert max_threads >= 1
@@ -58,6 +60,8 @@ class ThreadGovernor:
         self.set_threads = set_threads
         self.cpus = cpus or os.cpu_count() or 1
         self.interval = interval
+        self.first_interval = interval if first_interval is None else first_interval
+        self._readings = 0
         self.clock, self.read_machine, self.read_own = clock, read_machine, read_own
         self.threads = max_threads
         self.changes = 0  # how often the count moved (stats)
@@ -66,8 +70,10 @@ class ThreadGovernor:
     def update(self) -> int:
         """The thread count for the next step (re-measured when `interval` has passed)."""
         now = self.clock()
-        if self._last is not None and now - self._last[0] < self.interval:
+        wait = self.first_interval if self._readings == 1 else self.interval
+        if self._last is not None and now - self._last[0] < wait:
             return self.threads
+        self._readings += 1
         busy, total = self.read_machine()
         own = self.read_own()
         if self._last is not None:
@@ -91,4 +97,5 @@ def governor_for(follow_load: bool, max_threads: int | None, device_type: str) -
         return None
     import torch
 
-    return ThreadGovernor(max_threads or torch.get_num_threads(), torch.set_num_threads)
+    return ThreadGovernor(max_threads or torch.get_num_threads(), torch.set_num_threads,
+                          first_interval=FIRST_INTERVAL_S)

@@ -61,6 +61,23 @@ def test_it_measures_at_most_once_an_interval_and_keeps_the_maximum() -> None:
     assert reads == [] and sets == []
 
 
+def test_the_first_reading_comes_after_the_short_first_interval() -> None:
+    """A request shorter than the interval beside a busy neighbour: the count drops after 0.1 s, and the
+    readings after it keep the full interval."""
+    m, sets = Machine(), []
+    g = ThreadGovernor(2, sets.append, cpus=2, interval=0.5, first_interval=0.1, clock=lambda: m.t,
+                       read_machine=lambda: (m.busy, m.total), read_own=lambda: m.own)
+    g.update()
+    m.tick(others_cores=1.0, own_cores=1.0, dt=0.1)
+    assert g.update() == 1 and sets == [1]
+    m.tick(others_cores=0.0, own_cores=1.0, dt=0.1)  # the neighbour left, but 0.1 s < the interval
+    assert g.update() == 1 and sets == [1]
+    m.tick(others_cores=0.0, own_cores=1.0, dt=0.4)
+    assert g.update() == 2 and sets == [1, 2]
+    engine_governor = governor_for(True, 2, "cpu")  # the engine's: the short first interval too
+    assert engine_governor is None or engine_governor.first_interval < engine_governor.interval
+
+
 @pytest.mark.skipif(not usable(), reason="needs Linux /proc and every CPU in this process's affinity")
 def test_real_busy_neighbours_take_the_count_down_to_one() -> None:
     """As many spinning processes as CPUs: the cores others hold are all of them, so one thread."""
