@@ -114,9 +114,11 @@ class SWARadixCache(PrefixCache):
         swa: list[int | None] = []
         path: list[Node] = []
         node, p = self.root, 0
+        parted = False  # the tree holds another continuation at page boundary p, where the prompt leaves it
         while p < max_pages:
             child = node.children.get(page_key(ids, p, P))
             if child is None:
+                parted = p > 0 and bool(node.children)
                 break
             n = len(child.full_pages)
             m = common_pages(ids, p * P, child.tokens, P, min(n, max_pages - p))
@@ -129,15 +131,17 @@ class SWARadixCache(PrefixCache):
             path.append(child)
             p += m
             if m < n:
+                parted = p < max_pages
                 break
             node = child
+        parted = parted and p not in path[-1].anchors  # (before a split moves the anchor)
         k = deepest_reuse_end(swa, p, P, self.window)
         handle = self._node_ending_at(path, k)
         self._touch(handle)
         if k:
             self.retention.credit([handle, *path], k, p)
         if self.use_anchors:  # where the prompt leaves a sequence seen before (retention.py)
-            self.retention.learn(prefix_keys(ids, P, max_pages), p, max_pages)
+            self.retention.learn(prefix_keys(ids, P, max_pages), p, max_pages, parted)
         lo = self.window_start(k)
         self.hit_tokens += k * P
         return Match(k * P, handle, full[:k], [None] * lo + swa[lo:k])

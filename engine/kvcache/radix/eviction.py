@@ -7,10 +7,12 @@ SWA pool (evict_swa), in this order, never touching a locked page:
      order retention.py gives: the anchor's slack is given up (or the anchor dropped), and of the
      pages no other anchor protects, front pages first, as many as needed are freed (the rest stay
      as unprotected cache);
-  5. the windows whose live pages are mostly locked by running requests (a request that matched there
-     is using them), in the same order. Under concurrency the window a running request just reused is
-     the furthest from its next use, so 4 would drop its anchor first, free nothing locked, and leave
-     the whole window unprotected (tier 1) the moment the request finishes. A window whose live pages
+  5. the non-redundant windows whose live pages are mostly locked by running requests (a request that
+     matched there is using them), in the same order. Under concurrency the window a running request just
+     reused is the furthest from its next use, so 4 would drop its anchor first, free nothing locked, and
+     leave the whole window unprotected (tier 1) the moment the request finishes. A redundant window (3)
+     keeps its place however much of it a running request holds: that request appends at the deeper
+     anchor (a conversation's earlier message starts while its next turn runs). A window whose live pages
      are all locked is never given up: it would free nothing.
 Full pool (evict_full), never touching a locked node:
   1. dead full KV: pages that no surviving window can reach (no live reuse point at or below
@@ -103,7 +105,7 @@ class Evictor:
                     self._free_unprotected(nd, *slack, freed, num_pages)  # slack: written
             # 3: windows a deeper anchor on the same unbranched path makes redundant, 4: the others;
             # then (5) the windows running requests hold mostly locked (module docstring)
-            for nd, hi in self._windows_in_order(redundant + others):
+            for nd, hi in self._windows_in_order(redundant, others):
                 if len(freed) >= num_pages:
                     break
                 an = retention.forget(nd, hi)
@@ -114,14 +116,18 @@ class Evictor:
         return len(freed)
 
     @staticmethod
-    def _windows_in_order(anchors: list[tuple[Node, int]]) -> list[tuple[Node, int]]:
-        """The anchors whose windows eviction may give up, in that order: those whose live pages are
-        mostly unlocked keep their order, then those a running request holds mostly locked; a window
-        whose live pages are all locked is left alone (dropping it would free nothing now and leave its
-        pages unprotected once the request finishes). Locks do not change during an eviction."""
+    def _windows_in_order(redundant: list[tuple[Node, int]], others: list[tuple[Node, int]]
+                          ) -> list[tuple[Node, int]]:
+        """The anchors whose windows eviction may give up, in that order: redundant windows (3) and the
+        others (4) whose live pages are mostly unlocked keep their order, then the non-redundant ones a
+        running request holds mostly locked (5); a window whose live pages are all locked is left alone
+        (dropping it would free nothing now and leave its pages unprotected once the request finishes). A
+        redundant window keeps its place however much of it is locked: the request holding it appends at
+        the deeper anchor, so its unlocked pages are the least likely to be used again. Locks do not change
+        during an eviction."""
         first: list[tuple[Node, int]] = []
         last: list[tuple[Node, int]] = []
-        for nd, hi in anchors:
+        for j, (nd, hi) in enumerate(redundant + others):
             live = locked = 0
             for x, a, b in path_ranges(nd, nd.anchors[hi].lo, hi):
                 swa, locks = x.swa_pages, x.swa_locks
@@ -129,7 +135,7 @@ class Evictor:
                     if swa[i] is not None:
                         live += 1
                         locked += locks[i] > 0
-            if not live or 2 * locked <= live:
+            if not live or 2 * locked <= live or (j < len(redundant) and locked < live):
                 first.append((nd, hi))
             elif locked < live:
                 last.append((nd, hi))

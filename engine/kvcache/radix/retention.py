@@ -25,7 +25,9 @@ and branch points: every page boundary of recent prompts and inserts is remember
 the anchors), so a prompt that shares more with an earlier sequence than the tree still holds (its KV
 was evicted) leaves
 a ghost at the boundary d where it leaves that sequence (or marks the ghost there): branched unless the
-earlier sequence ended at d.
+earlier sequence ended at d. A prompt that leaves a sequence the tree holds, at a boundary where no anchor is,
+leaves a branched ghost there too: its insert anchors the branch point even when the other sequence's tail is
+evicted first (with many misses in flight it is, before the insert gets there).
 An insert re-creates the anchor of every ghost on its path, so an evicted window, once recomputed, is
 anchored again with its reuse interval known (the interval since d was last passed, for a new ghost).
 """
@@ -159,12 +161,21 @@ class Retention:
             self.ghosts.popitem(last=False)
 
     # ---- anchors found without message starts ----------------------------------------------------
-    def learn(self, keys: list[int], depth: int, n: int) -> None:
+    def learn(self, keys: list[int], depth: int, n: int, parted: bool = False) -> None:
         """match(): a prompt of n reusable page boundaries (keys: its prefix_keys) whose full KV the tree
         holds up to page `depth`. The deepest boundary d in (depth, n) an earlier prompt or insert passed is
-        where this prompt leaves that sequence: a ghost there (module docstring). Then remember its
-        boundaries."""
+        where this prompt leaves that sequence: a ghost there (module docstring). parted: the tree holds
+        another continuation at depth and no anchor there, so the prompt leaves a sequence at depth too: a
+        branched ghost there as well (its insert anchors it even if that continuation is evicted first).
+        Then remember its boundaries."""
         seen = self.seen
+        if parted:
+            ghost = self.ghosts.get(keys[depth])
+            if ghost is None:
+                got = seen.get(keys[depth])
+                self._ghost(keys[depth], (got[0] if got is not None else self.clock, None, True))
+            else:
+                self.ghosts[keys[depth]] = (ghost[0], ghost[1], True)
         for d in range(n - 1, depth, -1):
             got = seen.get(keys[d])
             if got is not None:

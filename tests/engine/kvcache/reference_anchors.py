@@ -5,8 +5,8 @@ page map (prefix key -> [full, swa]). Everything is recomputed from those keys: 
 branch, which anchor a new one inherits from, which anchors are redundant, the retention order,
 the reuse credit of a match, the ghosts of dropped anchors, the anchors found without message starts
 (ghosts where a prompt leaves a sequence seen before, by the page boundaries of every prompt and insert
-so far, and their re-creation on insert). Node recency and the remembered evicted continuations (lost
-keys) are read from the cache, the rest is predicted and compared.
+so far, or one the tree holds where no anchor is, and their re-creation on insert). Node recency and the
+remembered evicted continuations (lost keys) are read from the cache, the rest is predicted and compared.
 """
 
 from __future__ import annotations
@@ -113,6 +113,15 @@ class AnchorModel:
                 break
         if not self.c.use_anchors:
             return
+        part = tuple(ids[:f * P])
+        if 0 < f < max_pages and self.children(part) and part not in self.anchors:
+            # it leaves a sequence the tree holds at f, where no anchor is: a branched ghost there
+            g = self.ghosts.get(part)
+            if g is None:
+                got = self.seen.get(part)
+                self.ghosts[part] = (got[0] if got is not None else self.clock, None, True)
+            else:
+                self.ghosts[part] = (g[0], g[1], True)
         for d in range(max_pages - 1, f, -1):  # it leaves a sequence seen before at d
             got = self.seen.get(tuple(ids[:d * P]))
             if got is not None:
@@ -188,23 +197,25 @@ class AnchorModel:
         self.ghosts[key] = (an[3], an[4], an[2])
 
     def lock_class(self, key: Key, lo: int, live: set[Key], locked: set[Key]) -> int:
-        """0: the anchor's window pages [lo, hi) are mostly unlocked (or none is live); 1: mostly locked by
-        running requests (given up after every class-0 window); 2: every live one locked (never given
-        up: it would free nothing)."""
+        """0: the anchor's window pages [lo, hi) are mostly unlocked (or none is live), or some are unlocked
+        and the anchor is redundant; 1: a non-redundant window mostly locked by running requests (given up
+        after every class-0 window); 2: every live one locked (never given up: it would free nothing)."""
         P = self.P
         pages = [key[:(j + 1) * P] for j in range(lo, len(key) // P)]
         n_live = sum(k in live for k in pages)
         n_locked = sum(k in live and k in locked for k in pages)
         if not n_live or 2 * n_locked <= n_live:
             return 0
-        return 1 if n_locked < n_live else 2
+        if n_locked == n_live:
+            return 2
+        return 0 if self.redundant(key) else 1
 
     def check_evict_swa(self, before: dict[Key, list[Any]], after: dict[Key, tuple[Any, ...]],
                         live: set[Key], locked: set[Key]) -> None:
         """The anchors evict_swa touched come first in the retention order: the slack of every anchor
-        before any window, redundant windows before the others, windows running requests hold mostly
-        locked last, and those they hold all locked never (live, locked: the SWA pages before the eviction;
-        a window is given up only once every slack is, so its range is then [core_lo, hi))."""
+        before any window, redundant windows before the others, non-redundant windows running requests hold
+        mostly locked last, and those they hold all locked never (live, locked: the SWA pages before the
+        eviction; a window is given up only once every slack is, so its range is then [core_lo, hi))."""
         cls = {k: self.lock_class(k, before[k][1], live, locked) for k in before}
         rank = {k: self.rank(k) for k in before}
         dropped = [k for k in before if k not in after]
