@@ -21,7 +21,7 @@ from swaserve.llm import LLM
 
 KW = {"chunked_prefill_size": 96, "max_running_requests": 8, "device": "cpu", "cpu_threads": 1}
 PROMPT = [2] + [(7 * j) % 800 + 3 for j in range(30)]
-LONG = 160  # the neighbour's tokens: it is still running when the broken request fails
+LONG = 600  # the neighbour's tokens: it is still running when the broken request fails
 
 
 class TrappedTextStream(TextStream):
