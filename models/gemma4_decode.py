@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from swaserve.engine.attention.base import AttentionMetadata, store_kv
 from swaserve.engine.attention.kv_pool import KVPool
@@ -87,9 +86,7 @@ class DecodePath:
             a = self.attend(i, q, k, v, meta, pool, plans[sliding])
             native_ops.rms_norm_add_(h, linear(a.view(T, nh * d), lw.o_proj), lw.post_attention_norm, eps)
             xm = native_ops.rms_norm(h, lw.ffn_norm, eps)
-            gate, up = linear(xm, lw.gate_proj), linear(xm, lw.up_proj)
-            m1 = linear(native_ops.gelu_mul(gate, up) if native_ops.fits(gate, up)
-                        else F.gelu(gate, approximate="tanh") * up, lw.down_proj)
+            m1 = ops._dense(lw, xm)  # NativeOps': gate / up / down through the model's linear
             topk_ids, topk_w = ops.route(i, lw, Branches(h))
             m2 = model.moe.forward(i, native_ops.rms_norm(h, lw.pre_ffw_norm_2, eps), topk_ids, topk_w)
             if not native_ops.fits(m1, m2):

@@ -6,8 +6,7 @@ slots, attention plans and scratch buffers in one struct. Taken where the flat l
 every linear is Q4_0 in the interleaved form, the routed experts are Q4_0 in host memory (`CpuMoE`), and
 the dense MLP's width is the same in every layer; otherwise the flat loop runs.
 
-Numerics: the flat loop's, except the dense MLP's gelu_tanh (the MoE kernel's exp form): hidden rows agree
-to fp32 rounding, not bit for bit (tests/models/test_decode_step.py).
+Numerics: the flat loop's calls on the same values, so the same bits (tests/models/test_decode_path.py).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from swaserve.engine.moe.cpu_backend import CpuMoE
 from swaserve.engine.quant import native_ops, native_step
 from swaserve.engine.quant.linear import native_ok
 
-_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}  # native_ops.c load_kv
 _SCRATCH = ("x", "q", "k", "v", "a", "gu", "m1", "m2", "wts")
 
 
@@ -77,7 +75,6 @@ class NativeStep:
         for i, lw in enumerate(model.layers):
             sliding, d, kvh = model._decode.layers[i]
             k, v = pool.kv(i)
-            ek, ev = k.element_size(), v.element_size()
             gu, dn = model.moe.weights[i]
             ptrs = dict(attn_norm=lw.attn_norm, q_norm=lw.q_norm, k_norm=lw.k_norm,
                         post_attn_norm=lw.post_attention_norm, ffn_norm=lw.ffn_norm,
@@ -86,12 +83,12 @@ class NativeStep:
                         router_rw=ops.router_w[i], router_w=lw.router, expert_scale=lw.per_expert_scale,
                         wq=_packed(lw.q_proj), wk=_packed(lw.k_proj), wv=_packed(lw.v_proj),
                         wo=_packed(lw.o_proj), wgate=_packed(lw.gate_proj), wup=_packed(lw.up_proj),
-                        wdown=_packed(lw.down_proj), moe_gu=gu, moe_dn=dn, kc=k, vc=v)
+                        wdown=_packed(lw.down_proj), moe_gu=gu, moe_dn=dn)
             e = table[i]
             for name, t in ptrs.items():
                 setattr(e, name, None if t is None else t.data_ptr())
-            e.k_rs, e.k_hs, e.kt = k.stride(0) * ek, k.stride(1) * ek, _KV_TYPES[k.dtype]
-            e.v_rs, e.v_hs, e.vt = v.stride(0) * ev, v.stride(1) * ev, _KV_TYPES[v.dtype]
+            e.kc, e.k_rs, e.k_hs, e.kt = native_ops.kv_layout(k)
+            e.vc, e.v_rs, e.v_hs, e.vt = native_ops.kv_layout(v)
             e.kind, e.D, e.KVH, e.scalar = 0 if sliding else 1, d, kvh, ops.scalars[i]
         self._pool, self._layers = pool, table
         return table

@@ -30,6 +30,13 @@ def fits(*tensors: torch.Tensor | None) -> bool:
 _KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
 
 
+def kv_layout(view: torch.Tensor) -> tuple[int, int, int, int]:
+    """How the native calls address a KV pool view [num_slots, KVH, R] (kv_view_ok): (data pointer, bytes
+    between slots, bytes between heads, element type of native_ops.c load_kv)."""
+    e = view.element_size()
+    return view.data_ptr(), view.stride(0) * e, view.stride(1) * e, _KV_TYPES[view.dtype]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -110,10 +117,7 @@ def decode_attn(q: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.T
     assert kv_view_ok(k, d) and kv_view_ok(v, d) and h % kvh == 0, (k.shape, k.stride(), v.stride())
     assert rows.dtype == slots.dtype == counts.dtype == torch.int64 and slots.is_contiguous()
     b, s = slots.shape
-    ek, ev = k.element_size(), v.element_size()
-    native.load().swa_decode_attn(q.data_ptr(), rows.data_ptr(), b, h, kvh, d,
-                                  k.data_ptr(), k.stride(0) * ek, k.stride(1) * ek, _KV_TYPES[k.dtype],
-                                  v.data_ptr(), v.stride(0) * ev, v.stride(1) * ev, _KV_TYPES[v.dtype],
+    native.load().swa_decode_attn(q.data_ptr(), rows.data_ptr(), b, h, kvh, d, *kv_layout(k), *kv_layout(v),
                                   slots.data_ptr(), s, counts.data_ptr(), out.data_ptr(),
                                   threads if threads is not None else torch.get_num_threads())
 
@@ -127,9 +131,7 @@ def kv_gather(src: torch.Tensor, slots: torch.Tensor, d: int, out: torch.Tensor 
     if out is None:
         out = torch.empty(n, kvh, d, dtype=torch.float32)
     assert out.shape == (n, kvh, d) and out.dtype == torch.float32 and out.is_contiguous()
-    es = src.element_size()
-    native.load().swa_kv_gather(src.data_ptr(), src.stride(0) * es, src.stride(1) * es, _KV_TYPES[src.dtype],
-                                slots.data_ptr(), n, kvh, d, out.data_ptr(),
+    native.load().swa_kv_gather(*kv_layout(src), slots.data_ptr(), n, kvh, d, out.data_ptr(),
                                 threads if threads is not None else torch.get_num_threads())
     return out
 

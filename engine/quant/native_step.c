@@ -9,7 +9,7 @@ the same input share one quantization and one OpenMP region (q / k / v, then gat
 The calls are native_q4.c's and native_ops.c's, in models/gemma4_decode.py's order on the same values,
 so the same bits (tests/models/test_decode_path.py); the new K/V rows are written here (fp32 / fp16 /
 bf16 rounded to nearest even as torch converts, q8_0 by swa_kv_store_q8: the same bytes). Only Q4_0 interleaved linears and Q4_0
-experts in host memory; the caller checks (native_step.py `layer_ok`).
+experts in host memory; the caller checks (models/gemma4_step.py `NativeStep.ok`).
 */
 #include <immintrin.h>
 #include <math.h>

@@ -2,7 +2,7 @@
 mirrors of its two descriptors and the call.
 
 `StepLayer` holds one layer's weight and pool pointers (built once per model and pool by
-models/gemma4_decode.py, which keeps the tensors alive); `Step` one step's rows, plans and scratch.
+models/gemma4_step.py, which keeps the tensors alive); `Step` one step's rows, plans and scratch.
 Pointers are plain integers: the caller guarantees every tensor is CPU, contiguous where the C code says
 so, and of the shapes native_step.c documents.
 """

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 
 @pytest.mark.parametrize("loop", ["flat", "native"])
 @pytest.mark.parametrize("kv", ["auto", "fp16", "bf16", "fp32"])  # auto: q8_0 on CPU
-def test_decode_loop_equals_the_layer_body(kv: str, loop: str) -> None:
+def test_decode_loop_equals_the_layer_body(kv: str, loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(None, cpu_matmul="native", device="cpu", cpu_threads=1, kv_cache_dtype=kv)
     model = llm.engine.runner.model
     path, forward, takes = model._decode, model.forward, model._decode.takes
@@ -24,7 +24,7 @@ def test_decode_loop_equals_the_layer_body(kv: str, loop: str) -> None:
     path.native.enabled = loop == "native"
     native_calls = []
     native_run = native_step.run
-    native_step.run = lambda *a: (native_calls.append(1), native_run(*a))[1]  # type: ignore[assignment]
+    monkeypatch.setattr(native_step, "run", lambda *a: (native_calls.append(1), native_run(*a))[1])
     seen = {"flat": 0, "general": 0}
 
     def both(ids: torch.Tensor, meta, pool):  # type: ignore[no-untyped-def]
@@ -45,7 +45,6 @@ def test_decode_loop_equals_the_layer_body(kv: str, loop: str) -> None:
         llm.engine.add_request(f"r{i}", [2] + [300 + (7 * j + i) % 900 for j in range(n - 1)], params)
     while llm.engine.has_unfinished():
         llm.engine.step()
-    native_step.run = native_run
     assert seen["flat"] >= 4 and seen["general"] >= 1, seen  # batched decodes took the loop, prefills not
     assert len(native_calls) == (seen["flat"] if loop == "native" else 0), (len(native_calls), seen)
 
