@@ -83,6 +83,7 @@ class Geometry:
     tier_blocks: int | None = None  # X+tier: the tier's blocks (None: enough for the whole trace)
     kv_dtype: str = "bf16"  # the pages' type: --windows N is N bf16 windows' bytes, a GiB size this type's
     page_scale: float = 1.0  # pages of kv_dtype in the bytes of one bf16 page (kv_page_scale)
+    admission_max_wait: int = 0  # --admission-max-wait (cache-aware admission; 0: strict arrival order)
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Row:
     evicted_swa_pages: int = 0
     evicted_full_pages: int = 0
     preemptions: int = 0
+    steps: int = 0  # scheduler steps the trace took (a fake model: each prefills <= one chunk)
+    waits: list[int] = field(default_factory=list, repr=False)  # per request: steps from add to admission
     seconds: float = 0.0
     per_request: list[int] = field(default_factory=list, repr=False)
     memory: str = "split"  # "split": two pools; "arena": one arena of the same bytes
@@ -113,7 +116,9 @@ class Row:
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
-                "preemptions": self.preemptions, "seconds": round(self.seconds, 2),
+                "preemptions": self.preemptions, "steps": self.steps,
+                "mean_wait_steps": round(sum(self.waits) / max(1, len(self.waits)), 2),
+                "max_wait_steps": max(self.waits, default=0), "seconds": round(self.seconds, 2),
                 **({"tier_promotions": self.tier["promotions"],
                     "tier_promoted_tokens": self.tier["promoted_tokens"],
                     "tier_pages_written": self.tier["pages_written_full"] + self.tier["pages_written_swa"],
@@ -174,7 +179,8 @@ def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
         assert tier is not None, f"{policy} needs a tier"
         cache.set_tier(tier)
     kv = KVManager(cache, fa, sa, geo.page_size, geo.window)
-    cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk)
+    cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk,
+                          admission_max_wait=geo.admission_max_wait)
     return Scheduler(cfg, kv, context_length=1 << 30), cache
 
 
@@ -194,6 +200,9 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     pending = deque(enumerate(trace))
     done: list[Req] = []
     in_flight: list[Req] = []
+    added: dict[str, int] = {}  # rid -> the step it was added at
+    waits: dict[str, int] = {}  # rid -> steps until its first admission
+    steps = 0
     while pending or in_flight:
         while pending and len(in_flight) < geo.concurrency:
             i, tr = pending.popleft()
@@ -203,7 +212,12 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
             model.answers[req.rid] = tr.answer
             sched.add(req)
             in_flight.append(req)
+            added[req.rid] = steps
         batch, _ = sched.schedule()
+        steps += 1
+        for r in in_flight:
+            if r.cached_tokens is not None and r.rid not in waits:
+                waits[r.rid] = steps - 1 - added[r.rid]
         if batch is None:
             raise RuntimeError("the scheduler stalled with requests in flight")
         sched.update(batch, model(batch))
@@ -228,6 +242,7 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
                pool=describe(full_pages, swa_pages, geo.page_size, geo.window),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
+               steps=steps, waits=[waits.get(r.rid, 0) for r in done],
                seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
                memory="arena" if geo.arena else "split", tier=tier.stats() if tier is not None else None,
                kv_dtype=geo.kv_dtype)
@@ -294,6 +309,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="more pool sizes, in GiB of gemma-4-26B-A4B KV in all (split pools, full tokens 4x "
                         "SWA tokens), comma-separated: what the engine's --kv-cache-memory-gb gives")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    p.add_argument("--admission-max-wait", type=int, default=0,
+                   help="the engine's --admission-max-wait: steps a request may wait rather than evict a "
+                        "window about to be reused (default 0: strict arrival order)")
     p.add_argument("--arena", action="store_true",
                    help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
                         "full pages)")
@@ -314,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flag_error(args: argparse.Namespace) -> str | None:
+    if args.admission_max_wait < 0:
+        return "--admission-max-wait must be at least 0"
     return "--concurrency must be at least 1" if args.concurrency < 1 else None
 
 
@@ -325,7 +345,7 @@ def run_cache(args: argparse.Namespace) -> int:
     rows = []
     for kv in args.kv_dtype:
         geo = Geometry(concurrency=args.concurrency, arena=args.arena, kv_dtype=kv,
-                       page_scale=kv_page_scale(kv))
+                       page_scale=kv_page_scale(kv), admission_max_wait=args.admission_max_wait)
         rows += run_table(args.workload, args.policy, [*args.windows, *args.kv_cache_memory_gb], geo,
                           check=args.check, progress=not args.json)
     if args.json:

@@ -170,6 +170,13 @@ class SchedulerConfig:
     max_running_requests: int = option(64, "--max-running-requests", min=1)
     # token budget of one step (prefill chunks + decodes)
     chunked_prefill_size: int = option(2048, "--chunked-prefill-size", min=1)
+    # cache-aware admission (scheduler._defer): steps a waiting request may wait, while others run, rather
+    # than evict a cached window predicted to be reused soon; 0 = strict arrival order
+    admission_max_wait: int = option(
+        0, "--admission-max-wait", min=0,
+        help="cache-aware admission: steps a waiting request whose pages would evict a cached SWA window "
+             "about to be reused may wait while other requests run, letting later requests (hits) go "
+             "first (default 0: strict arrival order)")
     # beyond this, submit() raises EngineOverloaded (HTTP 503)
     max_queued_requests: int = option(1024, "--max-queued-requests", min=1)
     context_length: int | None = option(None, "--context-length", min=1)  # None = the model's

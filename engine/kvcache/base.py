@@ -123,6 +123,11 @@ class PrefixCache(ABC):
     def evictable_swa(self) -> int:
         """SWA pages the cache holds that evict_swa could free now."""
 
+    def hot_swa(self) -> int:
+        """Of the evictable SWA pages, those eviction gives up only by losing a window predicted to be
+        reused soon (0: this cache predicts nothing)."""
+        return 0
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and tests: at least full_cached, swa_cached (pages held), nodes."""

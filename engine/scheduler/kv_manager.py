@@ -89,6 +89,25 @@ class KVManager:
         self.cache.unlock(req.handle)
         self._reset(req)
 
+    def swa_need(self, req: Req, chunk: int) -> int:
+        """SWA pages req would hold at its peak if admitted now: what it has left to compute past the prefix
+        the cache can reuse, its answer included, at most its window and one chunk. Changes nothing."""
+        P = self.page_size
+        _, swa, _ = self.cache.probe(req.token_ids, (len(req.token_ids) - 1) // P)
+        left = req.max_len - self.cache.reuse_end(swa, len(swa)) * P
+        return _cdiv(min(left, self.window + chunk), P)
+
+    def swa_growth(self, req: Req, chunk: int) -> int:
+        """SWA pages a running request may still allocate before what it holds drops out of its window: what
+        it has left to compute, at most one chunk."""
+        return _cdiv(min(req.max_len - req.num_computed, chunk), self.page_size)
+
+    def cold_room(self) -> int:
+        """SWA pages an admission can take without giving up a window predicted to be reused soon: the free
+        ones and the cached ones eviction frees before any such window (PrefixCache.hot_swa)."""
+        cache = self.cache
+        return self.swa_alloc.num_free + cache.evictable_swa() - cache.hot_swa()
+
     # ---- allocation -----------------------------------------------------------------------
     def alloc_pages(self, full: int, swa: int) -> tuple[list[int], list[int]] | None:
         """`full` full-attention and `swa` SWA pages (full ids, SWA ids), evicting cached pages when a

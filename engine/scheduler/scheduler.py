@@ -25,6 +25,8 @@ from swaserve.engine.scheduler.kv_manager import KVManager
 
 log = logging.getLogger(__name__)
 
+ADMIT_LOOKAHEAD = 32  # waiting requests one step may pass over for cache-aware admission (_defer)
+
 
 @dataclass
 class StepOutput:
@@ -47,6 +49,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._aborts: set[str] = set()  # request ids
         self.num_preemptions = 0
+        self.steps = 0  # schedule() calls (the clock of cache-aware admission's wait bound)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_tier_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
@@ -112,6 +115,7 @@ class Scheduler:
         """Plan one step. Returns the batch (None when there is nothing to run) and the requests
         that finished by abort since the last step."""
         aborted = self._process_aborts()
+        self.steps += 1
         preempted_before = self.num_preemptions
         budget = self.cfg.chunked_prefill_size
         if self.encoder_budget is not None:
@@ -155,10 +159,20 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: dict[Req, int]) -> None:
         skipped: list[Req] = []
+        deferred: list[Req] = []  # of skipped, those waiting for cold pages (_defer)
+        room: list[int] = []  # [SWA pages admissions may still take cold], computed on first need
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting.popleft()
             if req.parent is not None and not (req.parent.prompt_cached or req.parent.finished):
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
+                continue
+            if self.cfg.admission_max_wait and self._defer(req, room):
+                if req.deferred_at is None:
+                    req.deferred_at = self.steps
+                skipped.append(req)
+                deferred.append(req)
+                if len(deferred) >= ADMIT_LOOKAHEAD:
+                    break
                 continue
             reused = self.kv.admit(req)
             q = self._chunk(req, reused, budget)
@@ -177,6 +191,32 @@ class Scheduler:
             plan[req] = q
             budget -= q
         self.waiting.extendleft(reversed(skipped))
+
+    def _defer(self, req: Req, room: list[int]) -> bool:
+        """Cache-aware admission (--admission-policy): while other requests run, a request whose pages (its
+        window and a chunk at most: KVManager.swa_need) cannot come from free pages and cached ones that no
+        window predicted to hit soon needs (KVManager.cold_room) waits, and later requests (hits, which
+        need few pages) go first. Under cyclic reuse the windows that just hit are the furthest from their
+        next use, so an admission that must evict takes them, and with several misses in flight the stable
+        set of windows that keeps hitting shrinks to nothing; prefill is one chunk a step anyway, so a miss
+        waiting for a running one to finish costs little. Bounded: a request lets at most
+        max_running_requests others go first. Not with a second KV tier (evicted windows come back from
+        it, and this check cannot see what the tier would promote). room: [the cold pages left], shared by
+        one admission pass and filled on first need (the hot windows are counted once a step)."""
+        kv = self.kv
+        if not self.running or kv.tier is not None or \
+                (req.deferred_at is not None and self.steps - req.deferred_at >= self.cfg.admission_max_wait):
+            return False
+        need = kv.swa_need(req, self.cfg.chunked_prefill_size)
+        if need > kv.swa_alloc.num_free:
+            if not room:
+                room.append(kv.cold_room() - sum(kv.swa_growth(r, self.cfg.chunked_prefill_size)
+                                                  for r in self.running))
+            if need > room[0]:
+                return True
+        if room:
+            room[0] -= need
+        return False
 
     # ---- results ----------------------------------------------------------------------------
     def update(self, batch: Batch, tokens: list[int | None],

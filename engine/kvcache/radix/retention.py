@@ -251,6 +251,13 @@ class Retention:
                     below.add(nd)
         return below
 
+    def hot_anchors(self, root: Node, nodes: Iterable[Node]) -> list[tuple[Node, int]]:
+        """The non-redundant anchors with a reuse history whose next use is not overdue (evict_key's
+        second class): windows about to hit."""
+        _, others = self.anchors_in_order(root, nodes)
+        now = self.clock
+        return [(nd, hi) for nd, hi in others if evict_key(nd.anchors[hi], nd, hi, now)[0] == 1]
+
     def anchors_in_order(self, root: Node, nodes: Iterable[Node]
                          ) -> tuple[list[tuple[Node, int]], list[tuple[Node, int]]]:
         """(redundant anchors, the others) of the tree at root (nodes: every node but the root), each in

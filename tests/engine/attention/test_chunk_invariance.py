@@ -61,8 +61,10 @@ def greedy(llm: LLM, prompt: list[int]) -> Answer:
     return Answer(o.token_ids, [lp.logprob for lp in o.logprobs], o.cached_tokens)
 
 
-BEFORE = pytest.mark.xfail(strict=True, reason="blocks from each chunk's first row: the chunk boundary "
-                           "enters the rounding (the test can fail)")
+# not strict: whether the old blocks' rounding reaches the compared numbers depends on the machine's torch
+# kernels (it did on the round-2 CI machines, not on an AVX512 box of round 3, where these pass)
+BEFORE = pytest.mark.xfail(strict=False, reason="blocks from each chunk's first row: the chunk boundary "
+                           "enters the rounding (the test can fail; on some machines' kernels it does not)")
 INVARIANT = pytest.mark.parametrize("invariant", [True, pytest.param(False, marks=BEFORE)],
                                     ids=["invariant", "before"])
 

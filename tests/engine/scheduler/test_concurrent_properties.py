@@ -1,9 +1,10 @@
 """Concurrent schedules through the real Scheduler over the real SWA radix cache (issue 28 item 4): random
 interleavings of arrivals (admission, chunked prefill, decode), aborts and finishes for N requests that
-share prefixes, in pools small enough to evict and preempt. Every step the checking model reads back
-every position the step attends to (reused pages included) and compares its tokens, the cache's and the
-pools' invariants hold after every step, greedy outputs of the requests not aborted are the expected
-ones, and once the cache is flushed no page is left handed out."""
+share prefixes, in pools small enough to evict and preempt, in strict arrival order and with cache-aware
+admission (--admission-max-wait). Every step the checking model reads back every position the step attends
+to (reused pages included) and compares its tokens, the cache's and the pools' invariants hold after every
+step, greedy outputs of the requests not aborted are the expected ones, and once the cache is flushed no
+page is left handed out."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ def schedules(draw: st.DrawFn) -> dict:
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)
     swa = running * (-(-W // P) + 2) + -(-CHUNK // P) + 1 + draw(st.integers(0, 3 * W // P))
     full = -(-longest // P) + 2 + draw(st.integers(0, 40))  # one request always fits alone
-    return dict(P=P, running=running, swa=swa, full=full, reqs=reqs)
+    wait = draw(st.sampled_from([0, 2, 50]))  # --admission-max-wait (cache-aware admission)
+    return dict(P=P, running=running, swa=swa, full=full, reqs=reqs, wait=wait)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
 def test_concurrent_schedules_read_only_correct_kv_and_leak_nothing(s: dict) -> None:
     sched, model = build("real", P=s["P"], W=W, full=s["full"], swa=s["swa"], max_running=s["running"],
-                         chunk=CHUNK)
+                         chunk=CHUNK, admission_max_wait=s["wait"])
     reqs = [reqs_for(f"q{i}", r["prompt"], r["max_tokens"], anchors=r["anchors"])[0]
             for i, r in enumerate(s["reqs"])]
     step = 0
