@@ -83,7 +83,13 @@ class Geometry:
     tier_blocks: int | None = None  # X+tier: the tier's blocks (None: enough for the whole trace)
     kv_dtype: str = "bf16"  # the pages' type: --windows N is N bf16 windows' bytes, a GiB size this type's
     page_scale: float = 1.0  # pages of kv_dtype in the bytes of one bf16 page (kv_page_scale)
-    admission_max_wait: int = 0  # --admission-max-wait (cache-aware admission; 0: strict arrival order)
+    admission: str = "fcfs"  # --admission-policy
+    admission_max_wait: int | None = None  # --admission-max-wait
+    # the modelled step time, seconds = step_s + prompt tokens / prompt_tok_s: what the scheduler's
+    # StepCosts is fed (the cache-aware wait bound) and each row's modelled_s; the default is
+    # gemma-4-26B-A4B on 2 CPU threads (docs/benchmarks.md: 43.7 prompt tok/s, ~85 ms a decode step)
+    prompt_tok_s: float = 43.7
+    step_s: float = 0.085
 
 
 @dataclass
@@ -98,6 +104,7 @@ class Row:
     evicted_full_pages: int = 0
     preemptions: int = 0
     steps: int = 0  # scheduler steps the trace took (a fake model: each prefills <= one chunk)
+    modelled_s: float = 0.0  # the trace's time by the geometry's step-time model
     waits: list[int] = field(default_factory=list, repr=False)  # per request: steps from add to admission
     seconds: float = 0.0
     per_request: list[int] = field(default_factory=list, repr=False)
@@ -116,7 +123,7 @@ class Row:
                 "reused_tokens": self.reused_tokens, "reusable_tokens": self.reusable_tokens,
                 "ratio": round(self.ratio, 4), "prompt_tokens": self.prompt_tokens,
                 "evicted_swa_pages": self.evicted_swa_pages, "evicted_full_pages": self.evicted_full_pages,
-                "preemptions": self.preemptions, "steps": self.steps,
+                "preemptions": self.preemptions, "steps": self.steps, "modelled_s": round(self.modelled_s, 1),
                 "mean_wait_steps": round(sum(self.waits) / max(1, len(self.waits)), 2),
                 "max_wait_steps": max(self.waits, default=0), "seconds": round(self.seconds, 2),
                 **({"tier_promotions": self.tier["promotions"],
@@ -180,7 +187,7 @@ def build(policy: str, full_pages: int, swa_pages: int, geo: Geometry,
         cache.set_tier(tier)
     kv = KVManager(cache, fa, sa, geo.page_size, geo.window)
     cfg = SchedulerConfig(max_running_requests=max(geo.concurrency, 1), chunked_prefill_size=geo.chunk,
-                          admission_max_wait=geo.admission_max_wait)
+                          admission_policy=geo.admission, admission_max_wait=geo.admission_max_wait)
     return Scheduler(cfg, kv, context_length=1 << 30), cache
 
 
@@ -203,6 +210,7 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
     added: dict[str, int] = {}  # rid -> the step it was added at
     waits: dict[str, int] = {}  # rid -> steps until its first admission
     steps = 0
+    modelled = 0.0  # seconds, by the geometry's step-time model
     while pending or in_flight:
         while pending and len(in_flight) < geo.concurrency:
             i, tr = pending.popleft()
@@ -215,6 +223,11 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
             added[req.rid] = steps
         batch, _ = sched.schedule()
         steps += 1
+        if batch is not None:
+            prompt = sum(q for q in batch.q_lens if q > 1)
+            seconds = geo.step_s + prompt / geo.prompt_tok_s
+            sched.admission.costs.record(prompt, seconds)
+            modelled += seconds
         for r in in_flight:
             if r.cached_tokens is not None and r.rid not in waits:
                 waits[r.rid] = steps - 1 - added[r.rid]
@@ -242,7 +255,7 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
                pool=describe(full_pages, swa_pages, geo.page_size, geo.window),
                prompt_tokens=sum(len(t.prompt) for t in trace), evicted_swa_pages=st["evicted_swa_pages"],
                evicted_full_pages=st["evicted_full_pages"], preemptions=sched.num_preemptions,
-               steps=steps, waits=[waits.get(r.rid, 0) for r in done],
+               steps=steps, modelled_s=modelled, waits=[waits.get(r.rid, 0) for r in done],
                seconds=time.perf_counter() - t0, per_request=[r.cached_tokens or 0 for r in done],
                memory="arena" if geo.arena else "split", tier=tier.stats() if tier is not None else None,
                kv_dtype=geo.kv_dtype)
@@ -297,6 +310,16 @@ def format_table(rows: Sequence[Row], policies: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _step_costs(text: str) -> tuple[float, float]:
+    try:
+        tok_s, step_s = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step-costs {text!r}: expected PROMPT_TOK_S,STEP_S") from None
+    if tok_s <= 0 or step_s <= 0:
+        raise argparse.ArgumentTypeError(f"--step-costs {text!r}: both must be positive")
+    return tok_s, step_s
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", type=lambda s: parse_choices(s, WORKLOADS, "--workload"),
                    default=list(WORKLOADS),
@@ -309,9 +332,14 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="more pool sizes, in GiB of gemma-4-26B-A4B KV in all (split pools, full tokens 4x "
                         "SWA tokens), comma-separated: what the engine's --kv-cache-memory-gb gives")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
-    p.add_argument("--admission-max-wait", type=int, default=0,
-                   help="the engine's --admission-max-wait: steps a request may wait rather than evict a "
-                        "window about to be reused (default 0: strict arrival order)")
+    p.add_argument("--admission-policy", choices=("fcfs", "cache-aware"), default="fcfs",
+                   help="the engine's --admission-policy (default fcfs: strict arrival order)")
+    p.add_argument("--admission-max-wait", type=int, default=None,
+                   help="the engine's --admission-max-wait: a cap on cache-aware waiting, in steps")
+    p.add_argument("--step-costs", type=_step_costs, default=(43.7, 0.085),
+                   help="PROMPT_TOK_S,STEP_S: the modelled step time (prompt tokens per second, seconds a "
+                        "step), fed to cache-aware admission's bound and summed per row (default 43.7,0.085: "
+                        "gemma-4-26B-A4B on 2 CPU threads)")
     p.add_argument("--arena", action="store_true",
                    help="carve both kinds from one arena of the same bytes (a block: one SWA page or 10 "
                         "full pages)")
@@ -332,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flag_error(args: argparse.Namespace) -> str | None:
-    if args.admission_max_wait < 0:
+    if args.admission_max_wait is not None and args.admission_max_wait < 0:
         return "--admission-max-wait must be at least 0"
     return "--concurrency must be at least 1" if args.concurrency < 1 else None
 
@@ -345,7 +373,9 @@ def run_cache(args: argparse.Namespace) -> int:
     rows = []
     for kv in args.kv_dtype:
         geo = Geometry(concurrency=args.concurrency, arena=args.arena, kv_dtype=kv,
-                       page_scale=kv_page_scale(kv), admission_max_wait=args.admission_max_wait)
+                       page_scale=kv_page_scale(kv), admission=args.admission_policy,
+                       admission_max_wait=args.admission_max_wait, prompt_tok_s=args.step_costs[0],
+                       step_s=args.step_costs[1])
         rows += run_table(args.workload, args.policy, [*args.windows, *args.kv_cache_memory_gb], geo,
                           check=args.check, progress=not args.json)
     if args.json:

@@ -170,13 +170,18 @@ class SchedulerConfig:
     max_running_requests: int = option(64, "--max-running-requests", min=1)
     # token budget of one step (prefill chunks + decodes)
     chunked_prefill_size: int = option(2048, "--chunked-prefill-size", min=1)
-    # cache-aware admission (scheduler._defer): steps a waiting request may wait, while others run, rather
-    # than evict a cached window predicted to be reused soon; 0 = strict arrival order
-    admission_max_wait: int = option(
-        0, "--admission-max-wait", min=0,
-        help="cache-aware admission: steps a waiting request whose pages would evict a cached SWA window "
-             "about to be reused may wait while other requests run, letting later requests (hits) go "
-             "first (default 0: strict arrival order)")
+    # engine/scheduler/admission.py: while others run, a request whose pages would evict a cached window
+    # predicted to be reused soon may wait (at most what recomputing that reuse would cost), later ones first
+    admission_policy: Literal["fcfs", "cache-aware"] = option(
+        "fcfs", "--admission-policy",
+        help="fcfs (default): strict arrival order; cache-aware: while others run, a request whose pages "
+             "would evict a cached SWA window about to be reused waits (no longer than recomputing that "
+             "reuse would take, from measured step times) and later requests go first; pays where prefill "
+             "is slow against a decode step (CPU)")
+    admission_max_wait: int | None = option(
+        None, "--admission-max-wait", min=0,
+        help="cache-aware admission: at most this many scheduler steps of waiting (default: the measured "
+             "bound alone; nothing waits before it is measured)")
     # beyond this, submit() raises EngineOverloaded (HTTP 503)
     max_queued_requests: int = option(1024, "--max-queued-requests", min=1)
     context_length: int | None = option(None, "--context-length", min=1)  # None = the model's

@@ -288,7 +288,7 @@ class Req:
     cached_tokens: int | None = None  # prompt tokens reused at first admission (exact)
     offload_cached: int = 0  # of those, tokens promoted from the second KV tier (engine/kvcache/tier/)
     num_preemptions: int = 0
-    deferred_at: int | None = None  # scheduler step its admission first waited for cold pages (cache-aware)
+    deferred_at: int | None = None  # scheduler step it first waited for cold pages (scheduler/admission.py)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     generator: object | None = None  # filled by the model runner (torch.Generator)

@@ -123,10 +123,10 @@ class PrefixCache(ABC):
     def evictable_swa(self) -> int:
         """SWA pages the cache holds that evict_swa could free now."""
 
-    def hot_swa(self) -> int:
-        """Of the evictable SWA pages, those eviction gives up only by losing a window predicted to be
-        reused soon (0: this cache predicts nothing)."""
-        return 0
+    def hot_windows(self) -> tuple[int, int]:
+        """(evictable SWA pages that eviction gives up only by losing a window predicted to be reused soon,
+        the mean prefix length in tokens such a window reuses); (0, 0): this cache predicts nothing."""
+        return 0, 0
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

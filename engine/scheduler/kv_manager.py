@@ -102,11 +102,10 @@ class KVManager:
         it has left to compute, at most one chunk."""
         return _cdiv(min(req.max_len - req.num_computed, chunk), self.page_size)
 
-    def cold_room(self) -> int:
+    def cold_room(self, hot_pages: int) -> int:
         """SWA pages an admission can take without giving up a window predicted to be reused soon: the free
-        ones and the cached ones eviction frees before any such window (PrefixCache.hot_swa)."""
-        cache = self.cache
-        return self.swa_alloc.num_free + cache.evictable_swa() - cache.hot_swa()
+        ones and the cached ones eviction frees before any such window (hot_pages: cache.hot_windows())."""
+        return self.swa_alloc.num_free + self.cache.evictable_swa() - hot_pages
 
     # ---- allocation -----------------------------------------------------------------------
     def alloc_pages(self, full: int, swa: int) -> tuple[list[int], list[int]] | None:

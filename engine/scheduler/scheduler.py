@@ -2,7 +2,9 @@
 
 Each step: (1) decodes of running requests (1 token each), (2) the next chunk of running requests
 still prefilling, (3) admission of waiting requests (cache.match + lock, then a first chunk), all
-within a token budget (--chunked-prefill-size) and a cap on running requests. With bidirectional image
+within a token budget (--chunked-prefill-size) and a cap on running requests. Admission goes in arrival
+order, or with --admission-policy cache-aware a request that would evict a window about to hit may wait
+while later ones go first (admission.py). With bidirectional image
 attention a chunk never ends inside an image (Req.chunk_end): it stops before the image, or runs to the
 image's end, past the budget when the image is longer than what is left of it. When the pools cannot
 give pages even after the cache evicts, the newest running request is preempted: what it computed
@@ -20,12 +22,13 @@ from typing import Any
 
 from swaserve.engine.config import SchedulerConfig
 from swaserve.engine.core import Batch, FinishReason, Req, ReqStatus, TokenLogprob
+from swaserve.engine.scheduler.admission import Admission
 from swaserve.engine.scheduler.encoder_budget import EncoderBudget
 from swaserve.engine.scheduler.kv_manager import KVManager
 
 log = logging.getLogger(__name__)
 
-ADMIT_LOOKAHEAD = 32  # waiting requests one step may pass over for cache-aware admission (_defer)
+ADMIT_LOOKAHEAD = 32  # waiting requests one step may pass over for cache-aware admission (admission.py)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Scheduler:
         self._aborts: set[str] = set()  # request ids
         self.num_preemptions = 0
         self.steps = 0  # schedule() calls (the clock of cache-aware admission's wait bound)
+        self.admission = Admission(cfg, kv)  # who may wait for cold pages; the engine feeds its step costs
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_tier_hit_tokens = 0  # of the hits, tokens promoted from the second KV tier
@@ -159,19 +163,17 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: dict[Req, int]) -> None:
         skipped: list[Req] = []
-        deferred: list[Req] = []  # of skipped, those waiting for cold pages (_defer)
-        room: list[int] = []  # [SWA pages admissions may still take cold], computed on first need
+        deferred = 0  # of skipped, those waiting for cold pages (cache-aware admission)
+        self.admission.begin()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting.popleft()
             if req.parent is not None and not (req.parent.prompt_cached or req.parent.finished):
                 skipped.append(req)  # n > 1: wait for the first choice's prompt to be cached
                 continue
-            if self.cfg.admission_max_wait and self._defer(req, room):
-                if req.deferred_at is None:
-                    req.deferred_at = self.steps
+            if self.admission.enabled and self.admission.defer(req, self.running, self.steps):
                 skipped.append(req)
-                deferred.append(req)
-                if len(deferred) >= ADMIT_LOOKAHEAD:
+                deferred += 1
+                if deferred >= ADMIT_LOOKAHEAD:
                     break
                 continue
             reused = self.kv.admit(req)
@@ -191,32 +193,6 @@ class Scheduler:
             plan[req] = q
             budget -= q
         self.waiting.extendleft(reversed(skipped))
-
-    def _defer(self, req: Req, room: list[int]) -> bool:
-        """Cache-aware admission (--admission-policy): while other requests run, a request whose pages (its
-        window and a chunk at most: KVManager.swa_need) cannot come from free pages and cached ones that no
-        window predicted to hit soon needs (KVManager.cold_room) waits, and later requests (hits, which
-        need few pages) go first. Under cyclic reuse the windows that just hit are the furthest from their
-        next use, so an admission that must evict takes them, and with several misses in flight the stable
-        set of windows that keeps hitting shrinks to nothing; prefill is one chunk a step anyway, so a miss
-        waiting for a running one to finish costs little. Bounded: a request lets at most
-        max_running_requests others go first. Not with a second KV tier (evicted windows come back from
-        it, and this check cannot see what the tier would promote). room: [the cold pages left], shared by
-        one admission pass and filled on first need (the hot windows are counted once a step)."""
-        kv = self.kv
-        if not self.running or kv.tier is not None or \
-                (req.deferred_at is not None and self.steps - req.deferred_at >= self.cfg.admission_max_wait):
-            return False
-        need = kv.swa_need(req, self.cfg.chunked_prefill_size)
-        if need > kv.swa_alloc.num_free:
-            if not room:
-                room.append(kv.cold_room() - sum(kv.swa_growth(r, self.cfg.chunked_prefill_size)
-                                                  for r in self.running))
-            if need > room[0]:
-                return True
-        if room:
-            room[0] -= need
-        return False
 
     # ---- results ----------------------------------------------------------------------------
     def update(self, batch: Batch, tokens: list[int | None],

@@ -68,6 +68,17 @@ def test_multiturn_targets(windows: int, target: float) -> None:
     assert row.reused_tokens >= target * upper.reused_tokens, (row.reused_tokens, upper.reused_tokens)
 
 
+def test_cache_aware_admission_reads_only_correct_kv() -> None:
+    """Requests that wait and are passed by later ones still read exactly their own KV, and the rows count
+    the steps, waits and modelled time."""
+    trace = make_trace("mixed-rr", SMALL)[:80]
+    geo = Geometry(page_size=4, window=64, chunk=128, concurrency=4, admission="cache-aware")
+    row = simulate("mixed-rr", trace, "lazy", 1, geo, check=True)
+    assert row.reused_tokens > 0 and max(row.waits) > 0 and row.steps > 0 and row.modelled_s > 0
+    out = row.to_json()
+    assert {"steps", "modelled_s", "mean_wait_steps", "max_wait_steps"} <= set(out)
+
+
 @pytest.mark.parametrize("workload", ["mixed-seq", "multiturn"])
 def test_simulation_reads_only_correct_kv(workload: str) -> None:
     """With check=True the fake model verifies every position each step attends to, and the cache
@@ -116,6 +127,10 @@ def test_q8_0_pages_at_the_same_bytes(capsys) -> None:
     (["--windows", "0"], "--windows: expected positive integers or 'roomy'"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
     (["--kv-dtype", "q4_0"], "--kv-dtype: unknown q4_0"),
+    (["--admission-max-wait", "-1"], "--admission-max-wait must be at least 0"),
+    (["--step-costs", "40"], "expected PROMPT_TOK_S,STEP_S"),
+    (["--step-costs", "40,0"], "both must be positive"),
+    (["--admission-policy", "lpm"], "invalid choice"),
 ])
 def test_command_line_errors(capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as e:

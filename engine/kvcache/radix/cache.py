@@ -356,8 +356,8 @@ class SWARadixCache(PrefixCache):
     def evictable_swa(self) -> int:
         return self.swa_cached - self.swa_locked
 
-    def hot_swa(self) -> int:
-        return self.evictor.hot_swa()
+    def hot_windows(self) -> tuple[int, int]:
+        return self.evictor.hot_windows()
 
     def stats(self) -> dict[str, Any]:
         """Pages per pool (cached / locked / evictable), nodes, anchors, hit counters."""

@@ -115,19 +115,22 @@ class Evictor:
         tree.swa_alloc.free(freed)
         return len(freed)
 
-    def hot_swa(self) -> int:
-        """Unlocked live SWA pages inside the window of an anchor whose reuse is predicted soon (retention's
-        hot anchors): what eviction would give up only by losing a window that is about to hit."""
+    def hot_windows(self) -> tuple[int, int]:
+        """(unlocked live SWA pages inside the window of an anchor whose reuse is predicted soon, retention's
+        hot anchors; the mean prefix those anchors reuse, in tokens): what eviction would give up only by
+        losing a window about to hit, and what such a hit saves."""
         tree = self.tree
         seen: set[tuple[int, int]] = set()
-        for nd, hi in self.retention.hot_anchors(tree.root, tree._nodes):
+        hot = self.retention.hot_anchors(tree.root, tree._nodes)
+        for nd, hi in hot:
             an = nd.anchors[hi]
             for x, a, b in path_ranges(nd, an.core_lo, hi):
                 swa, locks = x.swa_pages, x.swa_locks
                 for i in range(a, b):
                     if swa[i] is not None and not locks[i]:
                         seen.add((id(x), i))
-        return len(seen)
+        mean = sum(hi for _, hi in hot) * tree.page_size // len(hot) if hot else 0
+        return len(seen), mean
 
     @staticmethod
     def _windows_in_order(redundant: list[tuple[Node, int]], others: list[tuple[Node, int]]

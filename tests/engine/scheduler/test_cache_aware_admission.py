@@ -1,8 +1,10 @@
-"""Cache-aware admission (--admission-max-wait, issue 28 item 2): while other requests run, a waiting request
-whose pages would have to come from a cached window predicted to be reused soon waits up to N scheduler
-steps, and later requests that fit go first. The scheduling rule with the page counts stubbed (who waits,
-for how long, in which order), the hot-window count on the real cache, and the rows of the issue's traces
-that strict arrival order leaves below 0.9 of their one-at-a-time reuse."""
+"""Cache-aware admission (--admission-policy cache-aware, issue 28 item 2; engine/scheduler/admission.py):
+while other requests run, a waiting request whose pages would have to come from a cached window predicted
+to be reused soon waits, no longer than recomputing that reuse would cost by the measured step times
+(capped by --admission-max-wait), and later requests that fit go first. The scheduling rule with the page
+counts stubbed (who waits, for how long, in which order), the cost bound, the hot-window count on the
+real cache, and the rows of the issue's traces that strict arrival order leaves below 0.9 of their
+one-at-a-time reuse."""
 
 from __future__ import annotations
 
@@ -11,15 +13,17 @@ import pytest
 from swaserve.bench.cache_sim import KEEP_EVERYTHING, Geometry, simulate
 from swaserve.bench.cache_traces import make_trace
 from swaserve.engine.kvcache import PageAllocator, SWARadixCache
+from swaserve.engine.scheduler.admission import StepCosts
 from tests.engine.scheduler.test_scheduler import build, expected, reqs_for
 
 
-def stubbed(wait: int, cold: int = 100):
+def stubbed(wait: int | None, cold: int = 100, policy: str = "cache-aware", hot_tokens: int = 4096):
     """A scheduler whose requests named m* need more SWA pages than the pools hold cold (a miss that would
-    evict a hot window) and the others one page (a hit)."""
-    sched, model = build("real", max_running=4, admission_max_wait=wait)
+    evict a hot window reusing hot_tokens) and the others one page (a hit). Costs unmeasured."""
+    sched, model = build("real", max_running=4, admission=policy, admission_max_wait=wait)
     sched.kv.swa_need = lambda req, chunk: 10**6 if req.rid.startswith("m") else 1
-    sched.kv.cold_room = lambda: cold
+    sched.kv.cold_room = lambda hot_pages: cold
+    sched.kv.cache.hot_windows = lambda: (0, hot_tokens)
     return sched, model
 
 
@@ -52,8 +56,10 @@ def test_a_miss_waits_behind_a_hit_for_at_most_n_steps() -> None:
     assert miss.output_ids == expected([9] * 30, 3) and hit.output_ids == expected([7] * 6, 3)
 
 
-def test_strict_arrival_order_without_the_flag() -> None:
-    sched, model = stubbed(wait=0)
+@pytest.mark.parametrize("policy,wait", [("fcfs", 5), ("cache-aware", None)])
+def test_strict_arrival_order(policy: str, wait: int | None) -> None:
+    """fcfs whatever the cap; cache-aware with nothing measured and no cap: nothing waits yet."""
+    sched, model = stubbed(wait=wait, policy=policy)
     (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
     (miss,) = reqs_for("miss", [9] * 30, 3)
     (hit,) = reqs_for("hit", [7] * 6, 3)
@@ -87,6 +93,39 @@ def test_a_miss_goes_as_soon_as_nothing_runs_or_it_fits_cold() -> None:
     assert miss2 in sched2.running and miss2.deferred_at is None
 
 
+def test_the_wait_bound_is_what_the_saved_recompute_costs() -> None:
+    costs = StepCosts()
+    assert costs.steps_worth(4096) is None
+    costs.record(0, 0.1)  # a decode step: 100 ms
+    costs.record(2048, 0.1 + 2048 / 40)  # a chunk: 40 prompt tok/s on top
+    assert costs.steps_worth(4096) is not None and abs(costs.steps_worth(4096) - 1024) <= 1
+    sched, model = stubbed(wait=None, hot_tokens=40)  # a hot hit saves 1 s: 10 steps of 100 ms
+    sched.admission.costs = costs
+    (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
+    (miss,) = reqs_for("miss", [9] * 30, 3)
+    sched.add(long)
+    step(sched, model)
+    sched.add(miss)
+    step(sched, model)
+    first = miss.deferred_at
+    assert first is not None
+    while miss in sched.waiting:
+        step(sched, model)
+    assert sched.steps - first == 10
+    sched2, model2 = stubbed(wait=3, hot_tokens=40)  # the cap is lower than the measured bound
+    sched2.admission.costs = costs
+    (long2,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
+    (miss2,) = reqs_for("miss", [9] * 30, 3)
+    sched2.add(long2)
+    step(sched2, model2)
+    sched2.add(miss2)
+    step(sched2, model2)
+    first = miss2.deferred_at
+    while miss2 in sched2.waiting:
+        step(sched2, model2)
+    assert sched2.steps - first == 3
+
+
 def test_hot_windows_are_those_with_a_reuse_due() -> None:
     P, W = 4, 16
     fa, sa = PageAllocator(200), PageAllocator(200)
@@ -94,30 +133,32 @@ def test_hot_windows_are_those_with_a_reuse_due() -> None:
     ids = list(range(100, 164))  # 16 pages; its prompt end anchors the window of pages [12, 16)
     full, swa = fa.alloc(16), sa.alloc(16)
     res = cache.insert(ids, full, swa, prompt_len=len(ids))
-    assert cache.hot_swa() == 0  # never reused: nothing predicted
+    assert cache.hot_windows() == (0, 0)  # never reused: nothing predicted
     probe = ids + [5, 6, 7, 8, 9]
     for _ in range(2):  # two reuses through the anchor: an interval of one match
         m = cache.match(probe)
         assert m.reused_len == len(ids)
-    assert cache.hot_swa() == W // P  # the window, unlocked, is due again next match
+    assert cache.hot_windows() == (W // P, len(ids))  # the window, unlocked, is due again next match
     cache.lock(res.handle)
-    assert cache.hot_swa() == 0  # locked pages are not evictable, hot or not
+    assert cache.hot_windows() == (0, len(ids))  # locked pages are not evictable, hot or not
     cache.unlock(res.handle)
     for _ in range(3):
         cache.match([1] * 20)  # other prompts: the window is overdue
-    assert cache.hot_swa() == 0
+    assert cache.hot_windows() == (0, 0)
 
 
 @pytest.mark.parametrize("workload,windows", [("mixed-rr", 4), ("fanout-rr", 4)])
 def test_waiting_keeps_nine_tenths_of_sequential_reuse(workload: str, windows: int) -> None:
     """Split pools at 4 windows, 4 in flight: strict arrival order keeps 0.80 (mixed-rr) / 0.95 (fan-out)
-    of one-at-a-time reuse; waiting up to 256 steps keeps more than one at a time gets (1.80 / 1.83)."""
+    of one-at-a-time reuse; cache-aware admission on the modelled CPU step times keeps more than one at a
+    time gets, in less modelled time."""
     trace = make_trace(workload)
     upper = simulate(workload, trace, KEEP_EVERYTHING, windows, Geometry()).reused_tokens
     one = simulate(workload, trace, "lazy", windows, Geometry()).reused_tokens / upper
-    fcfs = simulate(workload, trace, "lazy", windows, Geometry(concurrency=4)).reused_tokens / upper
-    row = simulate(workload, trace, "lazy", windows, Geometry(concurrency=4, admission_max_wait=256))
+    strict = simulate(workload, trace, "lazy", windows, Geometry(concurrency=4))
+    fcfs = strict.reused_tokens / upper
+    row = simulate(workload, trace, "lazy", windows, Geometry(concurrency=4, admission="cache-aware"))
     assert one > 0.2
     ratio = row.reused_tokens / upper
     assert ratio >= 0.9 * one and ratio >= fcfs + 0.1, (one, fcfs, ratio)
-    assert max(row.waits) <= 256 + 16  # the bound, plus the steps a running chunk may hold the budget
+    assert row.modelled_s < strict.modelled_s, (row.modelled_s, strict.modelled_s)

@@ -1,10 +1,10 @@
 """Concurrent schedules through the real Scheduler over the real SWA radix cache (issue 28 item 4): random
 interleavings of arrivals (admission, chunked prefill, decode), aborts and finishes for N requests that
 share prefixes, in pools small enough to evict and preempt, in strict arrival order and with cache-aware
-admission (--admission-max-wait). Every step the checking model reads back every position the step attends
-to (reused pages included) and compares its tokens, the cache's and the pools' invariants hold after every
-step, greedy outputs of the requests not aborted are the expected ones, and once the cache is flushed no
-page is left handed out."""
+admission (--admission-policy cache-aware). Every step the checking model reads back every position the
+step attends to (reused pages included) and compares its tokens, the cache's and the pools' invariants hold
+after every step, greedy outputs of the requests not aborted are the expected ones, and once the cache is
+flushed no page is left handed out."""
 
 from __future__ import annotations
 
@@ -30,15 +30,17 @@ def schedules(draw: st.DrawFn) -> dict:
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)
     swa = running * (-(-W // P) + 2) + -(-CHUNK // P) + 1 + draw(st.integers(0, 3 * W // P))
     full = -(-longest // P) + 2 + draw(st.integers(0, 40))  # one request always fits alone
-    wait = draw(st.sampled_from([0, 2, 50]))  # --admission-max-wait (cache-aware admission)
-    return dict(P=P, running=running, swa=swa, full=full, reqs=reqs, wait=wait)
+    # --admission-policy and --admission-max-wait (cache-aware admission; None: measured costs alone)
+    admission = draw(st.sampled_from([("fcfs", None), ("cache-aware", 2), ("cache-aware", 50),
+                                      ("cache-aware", None)]))
+    return dict(P=P, running=running, swa=swa, full=full, reqs=reqs, admission=admission)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
 def test_concurrent_schedules_read_only_correct_kv_and_leak_nothing(s: dict) -> None:
     sched, model = build("real", P=s["P"], W=W, full=s["full"], swa=s["swa"], max_running=s["running"],
-                         chunk=CHUNK, admission_max_wait=s["wait"])
+                         chunk=CHUNK, admission=s["admission"][0], admission_max_wait=s["admission"][1])
     reqs = [reqs_for(f"q{i}", r["prompt"], r["max_tokens"], anchors=r["anchors"])[0]
             for i, r in enumerate(s["reqs"])]
     step = 0
@@ -54,6 +56,8 @@ def test_concurrent_schedules_read_only_correct_kv_and_leak_nothing(s: dict) -> 
         if batch is not None:
             assert batch.num_tokens <= CHUNK and len(sched.running) <= s["running"]
             sched.update(batch, model(batch))  # the model checks every position the step reads
+            prompt = sum(q for q in batch.q_lens if q > 1)
+            sched.admission.costs.record(prompt, 0.01 + 0.001 * prompt)  # a made-up step time
         sched.check_integrity()
         step += 1
     assert not sched.has_work(), "the scheduler stalled"

@@ -18,7 +18,7 @@ CACHES = ["ref", "real"]
 
 def build(kind: str, P: int = 4, W: int = 16, full: int = 2000, swa: int = 2000, max_running: int = 8,
           chunk: int = 32, enabled: bool = True, context: int = 4096, policy: str = "lazy",
-          admission_max_wait: int = 0):
+          admission: str = "fcfs", admission_max_wait: int | None = None):
     if not enabled:  # --cache-type naive, the same for both kinds
         fa, sa = PageAllocator(full), PageAllocator(swa)
         cache = NaiveCache(P, fa, sa)
@@ -30,7 +30,7 @@ def build(kind: str, P: int = 4, W: int = 16, full: int = 2000, swa: int = 2000,
         cache = RefCache(P, W, fa, sa)
     kv = KVManager(cache, fa, sa, P, W)
     cfg = SchedulerConfig(max_running_requests=max_running, chunked_prefill_size=chunk,
-                          admission_max_wait=admission_max_wait)
+                          admission_policy=admission, admission_max_wait=admission_max_wait)
     sched = Scheduler(cfg, kv, context)
     return sched, CheckingModel(P, W)
 
