@@ -17,7 +17,7 @@ sizing that is too small is an error.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -230,6 +230,9 @@ def build_engine_parts(cfg: EngineConfig, bundle: ModelBundle) -> EngineParts:
             raise ValueError("--kv-offload-dir needs --cache-type radix")
         cache.set_tier(build_tier(cfg, bundle, pool))
     kv = KVManager(cache, arena.full, arena.swa, P, model_cfg.sliding_window)
+    if sched_cfg.admission_policy == "auto":  # cache-aware where prefill is slow against a step: the CPU
+        sched_cfg = replace(sched_cfg, admission_policy="cache-aware" if device.type == "cpu" else "fcfs")
+    log.info("admission: %s", sched_cfg.admission_policy)
     scheduler = Scheduler(sched_cfg, kv, context)
     if runner.images is not None:
         scheduler.encoder_budget = EncoderBudget(cfg.image_encoder_budget or sched_cfg.chunked_prefill_size,

@@ -171,13 +171,14 @@ class SchedulerConfig:
     # token budget of one step (prefill chunks + decodes)
     chunked_prefill_size: int = option(2048, "--chunked-prefill-size", min=1)
     # engine/scheduler/admission.py: while others run, a request whose pages would evict a cached window
-    # predicted to be reused soon may wait (at most what recomputing that reuse would cost), later ones first
-    admission_policy: Literal["fcfs", "cache-aware"] = option(
-        "fcfs", "--admission-policy",
-        help="fcfs (default): strict arrival order; cache-aware: while others run, a request whose pages "
-             "would evict a cached SWA window about to be reused waits (no longer than recomputing that "
-             "reuse would take, from measured step times) and later requests go first; pays where prefill "
-             "is slow against a decode step (CPU)")
+    # predicted to be reused soon may wait (at most what recomputing that reuse would cost), later ones first;
+    # auto: the engine builder picks cache-aware on CPU, fcfs on CUDA (a Scheduler built directly: fcfs)
+    admission_policy: Literal["auto", "fcfs", "cache-aware"] = option(
+        "auto", "--admission-policy",
+        help="auto (default): cache-aware on CPU, fcfs on CUDA; fcfs: strict arrival order; cache-aware: "
+             "while others run, a request whose pages would evict a cached SWA window about to be reused "
+             "waits (no longer than recomputing that reuse would take, from measured step times) and later "
+             "requests go first; pays where prefill is slow against a decode step (CPU)")
     admission_max_wait: int | None = option(
         None, "--admission-max-wait", min=0,
         help="cache-aware admission: at most this many scheduler steps of waiting (default: the measured "

@@ -15,8 +15,9 @@ It waits only while waiting is cheaper than the recompute it saves. A hit throug
 budget goes partly unused. So the bound is tokens x (seconds per prompt token) / (seconds per step), from
 the step times the engine measures (StepCosts). On CPU that is hundreds to thousands of steps, on a GPU a
 few tens. `--admission-max-wait N` caps it, or sets it while nothing has been measured yet; without N
-nothing waits until both costs are known. Nothing waits with a second KV tier either: evicted windows come
-back from it, and the check cannot see what it would promote.
+nothing waits until both costs are known. Nothing waits with a second KV tier either (evicted windows come
+back from it, and the check cannot see what it would promote), nor with a cache that reuses nothing
+(--cache-type naive).
 """
 
 from __future__ import annotations
@@ -39,12 +40,18 @@ class StepCosts:
     def __init__(self) -> None:
         self.step_s: float | None = None
         self.token_s: float | None = None
+        self._first: tuple[int, float] | None = None  # a prefill step seen before any decode-only step
 
     def record(self, prefill_tokens: int, seconds: float) -> None:
         """One step's wall time and the prompt tokens it computed (0: decodes only)."""
         if prefill_tokens <= 0:
             self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
-        elif self.step_s is not None:
+            if self._first is not None:
+                self._first, first = None, self._first
+                self.record(*first)
+        elif self.step_s is None:
+            self._first = (prefill_tokens, seconds)
+        else:
             per = max(0.0, seconds - self.step_s) / prefill_tokens
             self.token_s = per if self.token_s is None else (1 - EMA) * self.token_s + EMA * per
 
@@ -75,7 +82,7 @@ class Admission:
     def defer(self, req: Req, running: Sequence[Req], step: int) -> bool:
         """Whether req waits this step (it records when it first did in req.deferred_at)."""
         kv = self.kv
-        if not running or kv.tier is not None:
+        if not running or kv.tier is not None or not kv.cache.reuses_prefixes:
             return False
         chunk = self.cfg.chunked_prefill_size
         need = kv.swa_need(req, chunk)

@@ -99,6 +99,11 @@ def test_the_wait_bound_is_what_the_saved_recompute_costs() -> None:
     costs.record(0, 0.1)  # a decode step: 100 ms
     costs.record(2048, 0.1 + 2048 / 40)  # a chunk: 40 prompt tok/s on top
     assert costs.steps_worth(4096) is not None and abs(costs.steps_worth(4096) - 1024) <= 1
+    first = StepCosts()  # a prefill step before any decode-only step counts once a step's cost is known
+    first.record(1000, 0.1 + 1000 / 40)
+    assert first.token_s is None
+    first.record(0, 0.1)
+    assert first.token_s is not None and abs(first.token_s - 1 / 40) < 1e-9
     sched, model = stubbed(wait=None, hot_tokens=40)  # a hot hit saves 1 s: 10 steps of 100 ms
     sched.admission.costs = costs
     (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
@@ -162,3 +167,21 @@ def test_waiting_keeps_nine_tenths_of_sequential_reuse(workload: str, windows: i
     ratio = row.reused_tokens / upper
     assert ratio >= 0.9 * one and ratio >= fcfs + 0.1, (one, fcfs, ratio)
     assert row.modelled_s < strict.modelled_s, (row.modelled_s, strict.modelled_s)
+
+
+@pytest.mark.parametrize("flag,want", [("auto", "cache-aware"), ("fcfs", "fcfs"),
+                                       ("cache-aware", "cache-aware")])
+def test_auto_is_cache_aware_on_cpu(flag: str, want: str) -> None:
+    """The engine builder resolves --admission-policy auto by device: cache-aware on CPU (fcfs on CUDA),
+    and the engine feeds the scheduler its measured step costs."""
+    from swaserve.engine.core import SamplingParams
+    from swaserve.llm import LLM
+
+    llm = LLM(None, admission_policy=flag, device="cpu", progress=False, cpu_threads=1)
+    try:
+        sched = llm.engine.scheduler
+        assert sched.cfg.admission_policy == want and sched.admission.enabled == (want == "cache-aware")
+        llm.generate([[2] + list(range(300, 400))], SamplingParams(max_tokens=4, temperature=0.0))
+        assert sched.admission.costs.step_s is not None and sched.admission.costs.token_s is not None
+    finally:
+        llm.close()
