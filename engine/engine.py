@@ -369,6 +369,7 @@ class Engine:
                 "offload": sched.prefix_tier_hit_tokens},
             "kv_tier": self.tier.stats() if self.tier is not None else None,
             "num_preemptions": sched.num_preemptions,
+            "admission": sched.admission.stats(),  # policy, requests that waited, the measured step costs
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "busy_seconds_total": self.step_time,

@@ -71,10 +71,17 @@ class Admission:
         self.kv = kv
         self.costs = StepCosts()
         self._room: list[int] = []  # [cold SWA pages admissions may still take, steps a request may wait]
+        self.waited = 0  # requests that waited at least one step
 
     @property
     def enabled(self) -> bool:
         return self.cfg.admission_policy == "cache-aware"
+
+    def stats(self) -> dict[str, object]:
+        c = self.costs
+        return {"policy": self.cfg.admission_policy, "waited_requests": self.waited,
+                "step_ms": None if c.step_s is None else round(1e3 * c.step_s, 3),
+                "prompt_token_ms": None if c.token_s is None else round(1e3 * c.token_s, 4)}
 
     def begin(self) -> None:
         self._room = []
@@ -95,6 +102,7 @@ class Admission:
             if need > self._room[0] and waited < self._room[1]:
                 if req.deferred_at is None:
                     req.deferred_at = step
+                    self.waited += 1
                 return True
         if self._room:
             self._room[0] -= need

@@ -46,6 +46,7 @@ def test_a_miss_waits_behind_a_hit_for_at_most_n_steps() -> None:
     sched.add(hit)
     step(sched, model)
     assert hit in sched.running and miss in sched.waiting and miss.deferred_at is not None
+    assert sched.admission.stats()["waited_requests"] == 1
     first = miss.deferred_at
     while miss in sched.waiting:
         assert sched.steps - first < 5 + 1, "waited past --admission-max-wait"
@@ -183,5 +184,7 @@ def test_auto_is_cache_aware_on_cpu(flag: str, want: str) -> None:
         assert sched.cfg.admission_policy == want and sched.admission.enabled == (want == "cache-aware")
         llm.generate([[2] + list(range(300, 400))], SamplingParams(max_tokens=4, temperature=0.0))
         assert sched.admission.costs.step_s is not None and sched.admission.costs.token_s is not None
+        st = llm.engine.stats()["admission"]
+        assert st["policy"] == want and st["waited_requests"] == 0 and st["step_ms"] > 0
     finally:
         llm.close()
