@@ -333,7 +333,8 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                         "SWA tokens), comma-separated: what the engine's --kv-cache-memory-gb gives")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     p.add_argument("--admission-policy", choices=("fcfs", "cache-aware"), default="fcfs",
-                   help="the engine's --admission-policy (default fcfs: strict arrival order)")
+                   help="the engine's --admission-policy (default here fcfs, strict arrival order, so that "
+                        "earlier tables reproduce; the engine's default, auto, is cache-aware on CPU)")
     p.add_argument("--admission-max-wait", type=int, default=None,
                    help="the engine's --admission-max-wait: a cap on cache-aware waiting, in steps")
     p.add_argument("--step-costs", type=_step_costs, default=(43.7, 0.085),
