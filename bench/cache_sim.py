@@ -224,9 +224,8 @@ def simulate(workload: str, trace: Sequence[TraceRequest], policy: str, windows:
         batch, _ = sched.schedule()
         steps += 1
         if batch is not None:
-            prompt = sum(q for q in batch.q_lens if q > 1)
-            seconds = geo.step_s + prompt / geo.prompt_tok_s
-            sched.admission.costs.record(prompt, seconds)
+            seconds = geo.step_s + batch.prefill_tokens / geo.prompt_tok_s
+            sched.admission.costs.record(batch.prefill_tokens, seconds)
             modelled += seconds
         for r in in_flight:
             if r.cached_tokens is not None and r.rid not in waits:

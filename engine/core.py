@@ -369,6 +369,11 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.q_lens)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of the step's prefill chunks (sequences of more than one token; decodes excluded)."""
+        return sum(q for q in self.q_lens if q > 1)
+
     def input_ids(self) -> list[int]:
         out: list[int] = []
         for r, p, q in zip(self.reqs, self.prefix_lens, self.q_lens):

@@ -183,7 +183,7 @@ class Engine:
         tokens, logprobs = self.runner.execute(batch)
         t2 = time.perf_counter()
         # what a step and a prompt token cost: cache-aware admission's wait bound (scheduler/admission.py)
-        self.scheduler.admission.costs.record(sum(q for q in batch.q_lens if q > 1), t2 - t1)
+        self.scheduler.admission.costs.record(batch.prefill_tokens, t2 - t1)
         for req, exc in self.runner.failed.items():  # fails that request alone, before update sees it
             outs.extend(self._fail_request(req, exc))
         for req, lps in self.runner.prompt_logprobs.items():  # this step's prompt rows, in position order

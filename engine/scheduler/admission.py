@@ -63,14 +63,15 @@ class StepCosts:
 
 
 class Admission:
-    """The waiting rule of one scheduler (module docstring). `room` is per admission pass: begin() clears
-    it, and the hot windows are counted at most once a pass."""
+    """The waiting rule of one scheduler (module docstring). The cold room and the wait bound are per
+    admission pass: begin() clears them, and the hot windows are counted at most once a pass."""
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager):
         self.cfg = cfg
         self.kv = kv
         self.costs = StepCosts()
-        self._room: list[int] = []  # [cold SWA pages admissions may still take, steps a request may wait]
+        self._cold: int | None = None  # SWA pages this pass may still admit cold (None: not counted yet)
+        self._bound = 0  # steps a request may wait, counted with _cold
         self.waited = 0  # requests that waited at least one step
 
     @property
@@ -84,7 +85,7 @@ class Admission:
                 "prompt_token_ms": None if c.token_s is None else round(1e3 * c.token_s, 4)}
 
     def begin(self) -> None:
-        self._room = []
+        self._cold = None
 
     def defer(self, req: Req, running: Sequence[Req], step: int) -> bool:
         """Whether req waits this step (it records when it first did in req.deferred_at)."""
@@ -94,21 +95,21 @@ class Admission:
         chunk = self.cfg.chunked_prefill_size
         need = kv.swa_need(req, chunk)
         if need > kv.swa_alloc.num_free:
-            if not self._room:
+            if self._cold is None:
                 hot_pages, hot_tokens = kv.cache.hot_windows()
-                room = kv.cold_room(hot_pages) - sum(kv.swa_growth(r, chunk) for r in running)
-                self._room = [room, self._bound(hot_tokens)]
+                self._cold = kv.cold_room(hot_pages) - sum(kv.swa_growth(r, chunk) for r in running)
+                self._bound = self._wait_bound(hot_tokens)
             waited = 0 if req.deferred_at is None else step - req.deferred_at
-            if need > self._room[0] and waited < self._room[1]:
+            if need > self._cold and waited < self._bound:
                 if req.deferred_at is None:
                     req.deferred_at = step
                     self.waited += 1
                 return True
-        if self._room:
-            self._room[0] -= need
+        if self._cold is not None:
+            self._cold -= need
         return False
 
-    def _bound(self, hot_tokens: int) -> int:
+    def _wait_bound(self, hot_tokens: int) -> int:
         """Steps a request may wait: what recomputing a hot window's reuse costs, capped by
         --admission-max-wait (which alone bounds it while the costs are unmeasured)."""
         cap = self.cfg.admission_max_wait

@@ -34,6 +34,21 @@ def step(sched, model) -> None:
     sched.check_integrity()
 
 
+def steps_waited(sched, model) -> int:
+    """Run a long request, then a miss behind it: the steps from the miss's first wait to its admission."""
+    (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
+    (miss,) = reqs_for("miss", [9] * 30, 3)
+    sched.add(long)
+    step(sched, model)
+    sched.add(miss)
+    step(sched, model)
+    first = miss.deferred_at
+    assert first is not None
+    while miss in sched.waiting:
+        step(sched, model)
+    return sched.steps - first
+
+
 def test_a_miss_waits_behind_a_hit_for_at_most_n_steps() -> None:
     sched, model = stubbed(wait=5)
     (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
@@ -107,29 +122,10 @@ def test_the_wait_bound_is_what_the_saved_recompute_costs() -> None:
     assert first.token_s is not None and abs(first.token_s - 1 / 40) < 1e-9
     sched, model = stubbed(wait=None, hot_tokens=40)  # a hot hit saves 1 s: 10 steps of 100 ms
     sched.admission.costs = costs
-    (long,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
-    (miss,) = reqs_for("miss", [9] * 30, 3)
-    sched.add(long)
-    step(sched, model)
-    sched.add(miss)
-    step(sched, model)
-    first = miss.deferred_at
-    assert first is not None
-    while miss in sched.waiting:
-        step(sched, model)
-    assert sched.steps - first == 10
-    sched2, model2 = stubbed(wait=3, hot_tokens=40)  # the cap is lower than the measured bound
-    sched2.admission.costs = costs
-    (long2,) = reqs_for("long", [1, 2, 3, 4, 5], 40)
-    (miss2,) = reqs_for("miss", [9] * 30, 3)
-    sched2.add(long2)
-    step(sched2, model2)
-    sched2.add(miss2)
-    step(sched2, model2)
-    first = miss2.deferred_at
-    while miss2 in sched2.waiting:
-        step(sched2, model2)
-    assert sched2.steps - first == 3
+    assert steps_waited(sched, model) == 10
+    sched, model = stubbed(wait=3, hot_tokens=40)  # the cap is lower than the measured bound
+    sched.admission.costs = costs
+    assert steps_waited(sched, model) == 3
 
 
 def test_hot_windows_are_those_with_a_reuse_due() -> None:

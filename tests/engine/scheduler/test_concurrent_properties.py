@@ -56,7 +56,7 @@ def test_concurrent_schedules_read_only_correct_kv_and_leak_nothing(s: dict) -> 
         if batch is not None:
             assert batch.num_tokens <= CHUNK and len(sched.running) <= s["running"]
             sched.update(batch, model(batch))  # the model checks every position the step reads
-            prompt = sum(q for q in batch.q_lens if q > 1)
+            prompt = batch.prefill_tokens
             sched.admission.costs.record(prompt, 0.01 + 0.001 * prompt)  # a made-up step time
         sched.check_integrity()
         step += 1
